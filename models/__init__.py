@@ -1,0 +1,52 @@
+"""Reference models for mxgraph: Llama, DeepSeek-V3-style MoE, GPT.
+
+``build_model(name, device=..., dtype=..., **overrides)`` builds a preset; every model's
+``forward(tokens, targets)`` returns the scalar mean cross-entropy (plus aux loss if set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+
+from models.common import cast_params_, count_params
+from models.llama import Llama, LlamaConfig
+from models.presets import PRESETS, PUBLISHED_PARAMS, list_presets
+
+FAMILIES: dict[str, type[nn.Module]] = {"llama": Llama}
+
+__all__ = ["FAMILIES", "PRESETS", "PUBLISHED_PARAMS", "Llama", "LlamaConfig",
+           "build_model", "build_from_config", "count_params", "list_presets"]
+
+
+def build_from_config(config, *, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Build the model whose family matches the config's type.
+
+    Parameters are created directly on ``device`` (``"meta"`` allocates nothing) and initialised
+    in float32 under the current torch seed, then cast to ``dtype`` (buffers stay float32).
+    """
+    for family, cls in FAMILIES.items():
+        if isinstance(config, _config_type(family)):
+            break
+    else:
+        raise TypeError(f"no model family for config type {type(config).__name__}")
+    with torch.device(device):
+        model = cls(config)
+    cast_params_(model, dtype)
+    return model
+
+
+def build_model(name: str, *, device="cpu", dtype: torch.dtype = torch.float32,
+                **overrides) -> nn.Module:
+    """Build preset ``name``; ``overrides`` replace config fields (e.g. ``n_layers=2``)."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    _, config = PRESETS[name]
+    config = dataclasses.replace(config, **overrides)
+    return build_from_config(config, device=device, dtype=dtype)
+
+
+def _config_type(family: str) -> type:
+    return {"llama": LlamaConfig}[family]
