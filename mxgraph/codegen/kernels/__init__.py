@@ -1,0 +1,39 @@
+"""Fused kernels as ``torch.library`` custom ops (namespace ``mxgraph``).
+
+Importing this package registers every op. ``KERNELS`` maps an op name (forward and fused
+backward alike, e.g. ``"swiglu"`` and ``"swiglu_backward"``) to a :class:`Kernel`: the op
+overload, its plain-torch reference and its Triton implementation. The op itself runs the
+Triton implementation on ``cuda`` tensors (MXMACA included) and the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Kernel:
+    op: torch._ops.OpOverload
+    """``torch.ops.mxgraph.<name>.default``."""
+    reference: Callable
+    """Plain torch; the CPU path and the test oracle."""
+    triton: Callable
+    """Triton launch; runs on CPU tensors under the Triton interpreter in tests."""
+
+
+from mxgraph.codegen.kernels import swiglu  # noqa: E402
+
+KERNELS: dict[str, Kernel] = {}
+
+
+def _register(name: str, reference: Callable, triton: Callable) -> None:
+    KERNELS[name] = Kernel(op=getattr(torch.ops.mxgraph, name).default, reference=reference, triton=triton)
+
+
+_register("swiglu", swiglu.swiglu_reference, swiglu.swiglu_triton)
+_register("swiglu_backward", swiglu.swiglu_backward_reference, swiglu.swiglu_backward_triton)
+_register("bias_swiglu", swiglu.swiglu_reference, swiglu.swiglu_triton)
+_register("bias_swiglu_backward", swiglu.swiglu_backward_reference, swiglu.swiglu_backward_triton)
