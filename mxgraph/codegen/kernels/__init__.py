@@ -24,7 +24,7 @@ class Kernel:
     """Triton launch; runs on CPU tensors under the Triton interpreter in tests."""
 
 
-from mxgraph.codegen.kernels import swiglu  # noqa: E402
+from mxgraph.codegen.kernels import bias_dropout_add, bias_gelu, swiglu  # noqa: E402
 
 KERNELS: dict[str, Kernel] = {}
 
@@ -37,3 +37,8 @@ _register("swiglu", swiglu.swiglu_reference, swiglu.swiglu_triton)
 _register("swiglu_backward", swiglu.swiglu_backward_reference, swiglu.swiglu_backward_triton)
 _register("bias_swiglu", swiglu.swiglu_reference, swiglu.swiglu_triton)
 _register("bias_swiglu_backward", swiglu.swiglu_backward_reference, swiglu.swiglu_backward_triton)
+_register("bias_gelu", bias_gelu.bias_gelu_reference, bias_gelu.bias_gelu_triton)
+_register("bias_gelu_backward", bias_gelu.bias_gelu_backward_reference, bias_gelu.bias_gelu_backward_triton)
+_register("bias_dropout_add", bias_dropout_add.bias_dropout_add_reference, bias_dropout_add.bias_dropout_add_triton)
+_register("bias_dropout_add_backward", bias_dropout_add.bias_dropout_add_backward_reference,
+          bias_dropout_add.bias_dropout_add_backward_triton)
