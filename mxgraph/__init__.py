@@ -1,0 +1,11 @@
+"""mxgraph: compile a PyTorch training step into graphs, rewrite them with passes, run them.
+
+    import mxgraph as mx
+    step = mx.compile(model, mx.Plan())
+    loss = step(tokens, targets)   # fills .grad of step.parameters()
+"""
+from mxgraph.compile import Step, compile  # noqa: A004
+from mxgraph.errors import PlanError, TraceError
+from mxgraph.plan import MoEOptions, Plan
+
+__all__ = ["MoEOptions", "Plan", "PlanError", "Step", "TraceError", "compile"]

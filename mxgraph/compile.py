@@ -1,0 +1,113 @@
+"""`mxgraph.compile(model, plan)`: the compiled training step.
+
+    step = mxgraph.compile(model, plan)
+    loss = step(tokens, targets)        # forward + backward; fills p.grad like backward()
+    optimizer.step(); optimizer.zero_grad()
+
+The first call for a given input signature (shapes, dtypes, non-tensor values) captures
+the forward graph, runs the forward passes, derives the joint graph, runs the joint
+passes and generates the code; later calls with that signature only run the code.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from mxgraph.capture import capture, flat_inputs
+from mxgraph.codegen.python import CompiledGraph, generate
+from mxgraph.context import CompileContext
+from mxgraph.errors import PlanError
+from mxgraph.joint import build_joint
+from mxgraph.passes.pipeline import FORWARD_PASSES, JOINT_PASSES, check_pass_names
+from mxgraph.passes.runner import record, run_pass
+from mxgraph.plan import Plan, require_built
+
+
+class Step:
+    """A compiled training step for one model and plan (see module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan):
+        self.model = model
+        self.plan = plan
+        self._compiled: dict[tuple, CompiledGraph] = {}
+        self.contexts: list[CompileContext] = []
+        """One per compiled input signature: the pass records (and dump dir)."""
+
+    def parameters(self):
+        """The parameters this rank updates (on one device: the model's own)."""
+        return self.model.parameters()
+
+    def named_parameters(self):
+        return self.model.named_parameters()
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        key = _signature(args, kwargs)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._compiled[key] = self._compile(args, kwargs)
+        return compiled.run(self.model, flat_inputs(args, kwargs))
+
+    def _compile(self, args, kwargs) -> CompiledGraph:
+        tag = f"sig{len(self._compiled)}" if self._compiled else ""
+        ctx = CompileContext.for_plan(self.plan, tag)
+        self.contexts.append(ctx)
+        start = time.perf_counter()
+        forward = capture(self.model, args, kwargs)
+        record(ctx, "capture", "forward", forward.gm, time.perf_counter() - start)
+        gm = forward.gm
+        for spec in FORWARD_PASSES:
+            gm = run_pass(spec, gm, ctx)
+        forward.gm = gm
+        start = time.perf_counter()
+        tensors = _slot_tensors(self.model, forward)
+        joint = build_joint(forward, tensors, flat_inputs(args, kwargs))
+        record(ctx, "grad", "joint", joint.gm, time.perf_counter() - start)
+        gm = joint.gm
+        for spec in JOINT_PASSES:
+            gm = run_pass(spec, gm, ctx)
+        joint.gm = gm
+        return generate(joint, forward.constants, ctx)
+
+
+def compile(model: torch.nn.Module, plan: Plan | None = None) -> Step:  # noqa: A001
+    """Compile `model`'s training step under `plan` (default: one device, no rewrites).
+
+    `model.forward(*args, **kwargs)` must return the scalar loss. Parameters may be fp32
+    or bf16. Returns a `Step`; see its docstring.
+    """
+    plan = plan or Plan()
+    if not isinstance(model, torch.nn.Module):
+        raise PlanError(f"mxgraph.compile takes an nn.Module, got {type(model).__name__}")
+    plan.validate(_world_size())
+    check_pass_names(plan.disable_passes)
+    require_built(plan)
+    return Step(model, plan)
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _slot_tensors(model, forward):
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    tensors = []
+    for slot in forward.slots:
+        if slot.kind == "param":
+            tensors.append(params[slot.key])
+        elif slot.kind == "buffer":
+            tensors.append(buffers[slot.key])
+        elif slot.kind == "constant":
+            tensors.append(forward.constants[slot.key])
+    return tensors
+
+
+def _signature(args, kwargs) -> tuple:
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            return ("T", tuple(value.shape), value.dtype, value.device.type)
+        return ("V", type(value).__name__, value)
+    return tuple(describe(v) for v in flat_inputs(args, kwargs)) + (
+        torch.is_grad_enabled(),)

@@ -1,0 +1,29 @@
+"""`CompileContext`: everything a pass may read, passed explicitly (no module globals)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mxgraph.plan import Plan
+
+
+@dataclass
+class CompileContext:
+    """The plan, where dumps go, and what the runner recorded so far."""
+
+    plan: Plan
+    dump_dir: Path | None = None
+    pass_index: int = 0
+    """Number of the next dump entry (shared by forward and joint passes)."""
+    records: list[dict] = field(default_factory=list)
+    """One summary record per pass run (see passes/runner.py)."""
+
+    @classmethod
+    def for_plan(cls, plan: Plan, tag: str = "") -> "CompileContext":
+        root = plan.dump_dir or os.environ.get("MXGRAPH_DUMP")
+        dump_dir = Path(root) / tag if root and tag else (Path(root) if root else None)
+        if dump_dir is not None:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            (dump_dir / "summary.txt").write_text("")
+        return cls(plan=plan, dump_dir=dump_dir)

@@ -1,0 +1,86 @@
+"""Grad: derive the joint forward+backward graph of a forward graph with AOTAutograd.
+
+`aot_export_joint_with_descriptors` traces the forward graph (through an fx Interpreter,
+so node meta, including meta["custom"], reaches the joint) and its backward into one
+functional graph. Its placeholders and outputs carry descriptors; `JointGraph` turns
+them into plain lists: what feeds each input, and which parameter each output's
+gradient belongs to.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch._functorch._aot_autograd.descriptors import (
+    BufferAOTInput, GradAOTOutput, ParamAOTInput, PlainAOTInput, PlainAOTOutput,
+    TangentAOTInput)
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+from mxgraph.capture import ForwardGraph, Slot
+from mxgraph.errors import TraceError
+
+
+@dataclass
+class JointGraph:
+    """A joint graph with flat inputs; outputs are [loss, grad, grad, ...]."""
+
+    gm: torch.fx.GraphModule
+    inputs: list[Slot]  # kind "tangent" for the loss's incoming gradient
+    grad_of: list[str | None]  # per output after the loss: the parameter it belongs to
+
+
+class _GraphModule(torch.nn.Module):
+    """Holds the model's tensors under plain names and runs the forward graph on them."""
+
+    def __init__(self, forward: ForwardGraph, tensors: list[torch.Tensor]):
+        super().__init__()
+        self.graph_module = forward.gm
+        self.tensor_slots = [s for s in forward.slots if s.kind != "input"]
+        for i, (slot, tensor) in enumerate(zip(self.tensor_slots, tensors)):
+            if slot.kind == "param":
+                self.register_parameter(f"t{i}", tensor)
+            else:
+                self.register_buffer(f"t{i}", tensor)
+
+    def forward(self, *inputs):
+        tensors = [getattr(self, f"t{i}") for i in range(len(self.tensor_slots))]
+        return torch.fx.Interpreter(self.graph_module).run(*tensors, *inputs)
+
+
+def build_joint(forward: ForwardGraph, tensors: list[torch.Tensor], inputs: list) -> JointGraph:
+    """Trace forward + backward. `tensors` feed the non-input slots, in slot order."""
+    holder = _GraphModule(forward, tensors)
+    with contextlib.ExitStack() as stack:
+        try:
+            joint = aot_export_joint_with_descriptors(stack, holder, tuple(inputs))
+        except Exception as error:  # noqa: BLE001 - re-raised with context
+            raise TraceError(f"cannot derive the backward graph: {type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''}") from error
+        gm = joint.graph_module
+    gm.graph.set_codegen(torch.fx.graph.CodeGen())  # flat (*args) -> list calling convention
+    gm.recompile()
+    slots = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        desc = node.meta.get("desc")
+        if isinstance(desc, (ParamAOTInput, BufferAOTInput)):
+            slots.append(holder.tensor_slots[int(desc.target[1:])])
+        elif isinstance(desc, PlainAOTInput):
+            slots.append(Slot("input", desc.idx))
+        elif isinstance(desc, TangentAOTInput):
+            slots.append(Slot("tangent", 0))
+        else:
+            raise TraceError(f"joint graph input {node.name} has an unsupported kind {desc}")
+    output = gm.graph.find_nodes(op="output")[0]
+    descs = output.meta.get("desc") or []
+    if not descs or not isinstance(descs[0], PlainAOTOutput):
+        raise TraceError("the joint graph's first output is not the loss")
+    grad_of = []
+    for desc in descs[1:]:
+        if desc is None:  # no gradient (an integer input, a frozen parameter)
+            grad_of.append(None)
+            continue
+        if not isinstance(desc, GradAOTOutput) or not isinstance(desc.grad_of, ParamAOTInput):
+            raise TraceError(f"unexpected joint graph output {desc} in {descs}")
+        grad_of.append(holder.tensor_slots[int(desc.grad_of.target[1:])].key)
+    return JointGraph(gm=gm, inputs=slots, grad_of=grad_of)

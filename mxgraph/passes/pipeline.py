@@ -1,0 +1,33 @@
+"""The pass pipeline, in order, one line each with why it sits there.
+
+Forward passes rewrite the forward graph before autograd, so fused ops and collectives
+get their backward derived by AOTAutograd; joint passes rewrite the forward+backward
+graph (memory, overlap). Names are unique; `Plan.disable_passes` may name any of them.
+"""
+from __future__ import annotations
+
+from mxgraph.errors import PlanError
+from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass
+from mxgraph.passes.runner import PassSpec
+
+FORWARD_PASSES = [
+    PassSpec("remove_noop", remove_noop_pass, "forward",
+             "first: later matchers then see no alias/detach/identity dropout between ops"),
+]
+
+JOINT_PASSES = [
+    PassSpec("remove_noop_joint", remove_noop_pass, "joint",
+             "AOTAutograd leaves detach nodes for saved values; drop them before analyses"),
+    PassSpec("dead_code", dead_code_pass, "joint",
+             "last: removes what earlier rewrites left unused (keeps random ops)"),
+]
+
+ALL_PASSES = {spec.name: spec for spec in FORWARD_PASSES + JOINT_PASSES}
+
+
+def check_pass_names(names) -> None:
+    """PlanError for a name in `disable_passes` that is no pass."""
+    unknown = [n for n in names if n not in ALL_PASSES]
+    if unknown:
+        raise PlanError(f"disable_passes: unknown pass name(s) {unknown}; "
+                        f"known: {sorted(ALL_PASSES)}")

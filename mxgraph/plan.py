@@ -1,0 +1,258 @@
+"""`Plan`: how one training step is laid out and rewritten.
+
+A Plan is a typed, keyword-only dataclass; every field has a docstring (it becomes CLI
+help). `validate()` checks what can be checked without a model; the compiler checks the
+rest against the traced graph. A field that asks for a capability not built yet raises
+`PlanError` naming the field, never a silent default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mxgraph.errors import PlanError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "dualpipev")
+RECOMPUTE_KINDS = ("norm", "act", "attn", "mlp", "moe_light", "moe_medium", "moe_full", "full")
+OFFLOAD_KINDS = ("all", "attn", "mlp", "norm", "act", "moe")
+FUSION_KINDS = ("swiglu", "bias_gelu", "bias_dropout_add", "rope", "gqa", "rmsnorm",
+                "linear_cross_entropy", "moe_permute", "moe_router")
+
+
+@dataclass(kw_only=True)
+class MoEOptions:
+    """Mixture-of-Experts options."""
+
+    capacity_factor: float | None = None
+    """Expert capacity as a multiple of the even share of tokens; None = dropless."""
+    hot_expert_replication: bool = False
+    """Replicate the most-loaded experts on extra EP ranks."""
+    adaptive_recompute_threshold: int | None = None
+    """Tokens routed to one EP rank above which MoE layers run their recompute variant."""
+    batched_gemm: bool = False
+    """Run experts as one capacity-padded batched GEMM instead of a loop."""
+    a2a_overlap: bool = False
+    """Overlap the all-to-all dispatch/combine with expert or shared-expert compute."""
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """The parallel layout and the rewrites of one training step.
+
+    Axes multiply to the world size: `tp * pp * dp * cp` (EP reuses the data-parallel
+    and context-parallel ranks for experts, as in Megatron-LM).
+    """
+
+    tp: int = 1
+    """Tensor-parallel degree: splits attention heads and FFN width across ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree: number of pipeline ranks."""
+    vpp: int = 1
+    """Virtual stages per pipeline rank (interleaved and DualPipeV schedules)."""
+    dp: int | None = None
+    """Data-parallel degree; None = world size / (tp * pp * cp)."""
+    ep: int = 1
+    """Expert-parallel degree: routed experts are split across this many ranks."""
+    cp: int = 1
+    """Context-parallel degree: the sequence is split across this many ranks."""
+    sequence_parallel: bool = False
+    """With tp > 1: norms, dropout and residuals work on sequence shards."""
+    zero1: bool = False
+    """Shard optimizer state over the data-parallel ranks (ZeRO stage 1)."""
+    micro_batches: int = 1
+    """Micro-batches per step (pipeline schedules and gradient accumulation)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: one of gpipe, 1f1b, interleaved, zbh1, dualpipev."""
+    layout: str | None = None
+    """Explicit stage layout, e.g. "E t*3 | t*4 | t L"; None = balanced by cost."""
+    empty_layers: bool = False
+    """Pad the layer count with placeholder layers so every virtual stage is even."""
+    recompute: str = ""
+    """Comma-separated recompute policy: norm, act, attn, mlp, moe_light, moe_medium,
+    moe_full, full; empty = save everything."""
+    recompute_stages: dict[int, str] = field(default_factory=dict)
+    """Per-stage override of `recompute`, e.g. {0: "full"}."""
+    memory_budget: int | None = None
+    """Activation-memory budget in bytes; the remat pass picks what to recompute."""
+    offload: str = ""
+    """Activation offload: "all" or a comma list of modules (attn, mlp, ...); empty = off."""
+    fusion: bool | str = False
+    """Flash Fusion: True = all fused kernels, False = none, or a comma list of names."""
+    overlap: bool = False
+    """Overlap communication with compute (reordering, TP GEMM decomposition)."""
+    moe: MoEOptions = field(default_factory=MoEOptions)
+    """Mixture-of-Experts options."""
+    dump_dir: str | None = None
+    """Write the graph after every pass here (also set by MXGRAPH_DUMP)."""
+    disable_passes: tuple[str, ...] = ()
+    """Pass names to skip, for bisecting a problem."""
+
+    def __post_init__(self):
+        self.disable_passes = tuple(self.disable_passes)
+        if isinstance(self.moe, dict):
+            self.moe = MoEOptions(**self.moe)
+        self.validate()
+
+    # ---- validation -------------------------------------------------------------------
+    def validate(self, world_size: int | None = None) -> "Plan":
+        """Check the fields alone, and against `world_size` when given; returns self."""
+        for name in ("tp", "pp", "vpp", "ep", "cp", "micro_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name}={value!r} must be a positive integer")
+        if self.dp is not None and (not isinstance(self.dp, int) or self.dp < 1):
+            raise PlanError(f"dp={self.dp!r} must be a positive integer or None (= derived)")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule={self.schedule!r} is unknown; choose one of {SCHEDULES}")
+        if self.vpp > 1 and self.schedule not in ("interleaved", "dualpipev"):
+            raise PlanError(f"vpp={self.vpp} needs schedule='interleaved' or 'dualpipev', "
+                            f"not {self.schedule!r}; or set vpp=1")
+        if self.sequence_parallel and self.tp == 1:
+            raise PlanError("sequence_parallel=True needs tp > 1; set tp or turn it off")
+        for kind in parse_list(self.recompute):
+            _check_choice("recompute", kind, RECOMPUTE_KINDS)
+        for stage, policy in self.recompute_stages.items():
+            for kind in parse_list(policy):
+                _check_choice(f"recompute_stages[{stage}]", kind, RECOMPUTE_KINDS)
+        for kind in parse_list(self.offload):
+            _check_choice("offload", kind, OFFLOAD_KINDS)
+        for kind in self.fusion_kinds():
+            _check_choice("fusion", kind, FUSION_KINDS)
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise PlanError(f"memory_budget={self.memory_budget} must be a positive byte count")
+        if world_size is not None:
+            self.resolve_dp(world_size)
+        return self
+
+    def resolve_dp(self, world_size: int) -> int:
+        """The data-parallel degree for `world_size` ranks; PlanError if axes don't fit."""
+        model_ranks = self.tp * self.pp * self.cp
+        if world_size % model_ranks:
+            raise PlanError(
+                f"world size {world_size} is not divisible by tp*pp*cp = {model_ranks}; "
+                f"launch a multiple of {model_ranks} processes or change the axes")
+        dp = world_size // model_ranks
+        if self.dp is not None and self.dp != dp:
+            raise PlanError(
+                f"dp={self.dp} but world size {world_size} / (tp*pp*cp={model_ranks}) = {dp}; "
+                f"set dp={dp} or leave dp unset")
+        if (dp * self.cp) % self.ep:
+            raise PlanError(f"ep={self.ep} does not divide dp*cp = {dp * self.cp}; "
+                            f"choose ep in {divisors(dp * self.cp)}")
+        return dp
+
+    def fusion_kinds(self) -> tuple[str, ...]:
+        """The fused-kernel names this plan turns on."""
+        if self.fusion is True:
+            return FUSION_KINDS
+        if not self.fusion:
+            return ()
+        return parse_list(self.fusion)
+
+    # ---- TOML -------------------------------------------------------------------------
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "Plan":
+        """Read a plan from a TOML file: top-level fields plus an optional [moe] table."""
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "dict") -> "Plan":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PlanError(f"{source}: unknown plan field(s) {unknown}; known: {sorted(known)}")
+        data = dict(data)
+        if "recompute_stages" in data:
+            data["recompute_stages"] = {int(k): v for k, v in data["recompute_stages"].items()}
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        data["disable_passes"] = list(self.disable_passes)
+        return data
+
+    def to_toml(self) -> str:
+        """The plan as TOML text (fields left at None are omitted)."""
+        lines, tables = [], []
+        for key, value in self.to_dict().items():
+            if value is None:
+                continue
+            if isinstance(value, dict):
+                body = [f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None]
+                tables.append(f"\n[{key}]\n" + "\n".join(body))
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        return "\n".join(lines) + "".join(tables) + "\n"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise PlanError(f"cannot write {value!r} to TOML")
+
+
+def parse_list(text: str) -> tuple[str, ...]:
+    """'norm, act' -> ('norm', 'act')."""
+    return tuple(part.strip() for part in (text or "").split(",") if part.strip())
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise PlanError(f"{field_name}: {value!r} is unknown; choose from {', '.join(choices)}")
+
+
+def check_divides(axis: str, degree: int, what: str, total: int) -> None:
+    """PlanError unless `degree` divides `total`, listing the degrees that would."""
+    if total % degree:
+        raise PlanError(f"{axis}={degree} does not divide {what}={total}; "
+                        f"choose {axis} in {{{', '.join(map(str, divisors(total)))}}}")
+
+
+# Capabilities not built yet: (field, test on the plan, what is missing). A plan that asks
+# for one raises PlanError at compile time; the entry goes when the capability lands.
+NOT_BUILT = [
+    ("tp", lambda p: p.tp > 1, "tensor parallelism"),
+    ("pp", lambda p: p.pp > 1, "pipeline parallelism"),
+    ("vpp", lambda p: p.vpp > 1, "virtual pipeline stages"),
+    ("ep", lambda p: p.ep > 1, "expert parallelism"),
+    ("cp", lambda p: p.cp > 1, "context parallelism"),
+    ("dp", lambda p: (p.dp or 1) > 1, "data parallelism"),
+    ("zero1", lambda p: p.zero1, "ZeRO-1 optimizer sharding"),
+    ("micro_batches", lambda p: p.micro_batches > 1, "micro-batch accumulation"),
+    ("layout", lambda p: p.layout is not None, "explicit stage layouts"),
+    ("empty_layers", lambda p: p.empty_layers, "empty-layer padding"),
+    ("recompute", lambda p: bool(p.recompute or p.recompute_stages), "the remat pass"),
+    ("memory_budget", lambda p: p.memory_budget is not None, "budgeted remat"),
+    ("offload", lambda p: bool(p.offload), "activation offload"),
+    ("fusion", lambda p: bool(p.fusion_kinds()), "the fusion pass"),
+    ("overlap", lambda p: p.overlap, "comm-compute overlap passes"),
+    ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),
+    ("moe.hot_expert_replication", lambda p: p.moe.hot_expert_replication,
+     "hot-expert replication"),
+    ("moe.adaptive_recompute_threshold",
+     lambda p: p.moe.adaptive_recompute_threshold is not None, "MoE adaptive recompute"),
+    ("moe.batched_gemm", lambda p: p.moe.batched_gemm, "batched expert GEMM"),
+    ("moe.a2a_overlap", lambda p: p.moe.a2a_overlap, "all-to-all overlap"),
+]
+
+
+def require_built(plan: Plan) -> None:
+    """PlanError for the first field that asks for a capability mxgraph lacks so far."""
+    for name, asks, what in NOT_BUILT:
+        if asks(plan):
+            raise PlanError(f"{name}: {what} is not built yet in this version of mxgraph; "
+                            f"leave {name} at its default")
