@@ -12,12 +12,14 @@ import torch
 import torch.nn as nn
 
 from models.common import cast_params_, count_params
+from models.gpt import GPT, GPTConfig
 from models.llama import Llama, LlamaConfig
+from models.moe import MoEConfig, MoETransformer
 from models.presets import PRESETS, PUBLISHED_PARAMS, list_presets
 
-FAMILIES: dict[str, type[nn.Module]] = {"llama": Llama}
+FAMILIES: dict[str, type[nn.Module]] = {"llama": Llama, "moe": MoETransformer, "gpt": GPT}
 
-__all__ = ["FAMILIES", "PRESETS", "PUBLISHED_PARAMS", "Llama", "LlamaConfig",
+__all__ = ["FAMILIES", "GPT", "GPTConfig", "PRESETS", "PUBLISHED_PARAMS", "Llama", "LlamaConfig", "MoEConfig", "MoETransformer",
            "build_model", "build_from_config", "count_params", "list_presets"]
 
 
@@ -49,4 +51,4 @@ def build_model(name: str, *, device="cpu", dtype: torch.dtype = torch.float32,
 
 
 def _config_type(family: str) -> type:
-    return {"llama": LlamaConfig}[family]
+    return {"llama": LlamaConfig, "moe": MoEConfig, "gpt": GPTConfig}[family]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import models
 from models.common import apply_rope, rope_tables
 
-TINY = ["llama-tiny"]
+TINY = ["llama-tiny", "moe-tiny", "gpt-tiny"]
 
 
 def _batch(vocab: int, B: int = 2, S: int = 32, seed: int = 0):
@@ -61,12 +61,22 @@ def test_seeded_init_is_deterministic_and_overrides_apply():
         assert torch.equal(pa, pb), na
 
 
-def test_tied_embeddings_share_one_parameter():
-    model = models.build_model("llama-tiny", tie_embeddings=True, dtype=torch.bfloat16)
+@pytest.mark.parametrize("name", TINY)
+def test_tied_embeddings_share_one_parameter(name):
+    model = models.build_model(name, tie_embeddings=True, dtype=torch.bfloat16)
     assert model.lm_head.weight is model.embed.weight
+    assert sum(p is model.embed.weight for p in model.parameters()) == 1
     assert model.embed.weight.dtype == torch.bfloat16
-    assert model.rope.cos.dtype == torch.float32
+    assert all(b.dtype == torch.float32 for b in model.buffers())
     assert model(*_batch(256)).dtype == torch.float32
+
+
+def test_unknown_preset_and_bad_override_raise():
+    with pytest.raises(KeyError):
+        models.build_model("llama-3t")
+    with pytest.raises(TypeError):
+        models.build_model("llama-tiny", n_layer=2)
+    assert set(models.list_presets()) == set(models.PRESETS)
 
 
 def test_rope_matches_complex_reference():
@@ -112,3 +122,39 @@ def test_gqa_attention_matches_plain_math(n_heads, n_kv_heads):
     v = attn.wv(x).view(B, S, n_kv_heads, hd)
     want = attn.wo(_plain_attention(q, k, v).reshape(B, S, dim))
     torch.testing.assert_close(got, want)
+
+
+def test_mla_attention_matches_plain_math():
+    from models.moe import MLAttention, MoEConfig
+    torch.manual_seed(0)
+    cfg = MoEConfig(dim=32, n_heads=4, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8,
+                    qk_rope_head_dim=4, v_head_dim=6)
+    attn = MLAttention(cfg).double()
+    B, S, H = 2, 5, 4
+    x = torch.randn(B, S, 32, dtype=torch.float64)
+    cos, sin = (t.double() for t in rope_tables(4, S, 10000.0))
+    q = attn.wq_b(attn.q_norm(attn.wq_a(x))).view(B, S, H, 12)
+    q = torch.cat([q[..., :8], apply_rope(q[..., 8:], cos, sin)], -1)
+    latent, k_pe = attn.wkv_a(x)[..., :8], attn.wkv_a(x)[..., 8:]
+    kv = attn.wkv_b(attn.kv_norm(latent)).view(B, S, H, 14)
+    k_pe = apply_rope(k_pe.view(B, S, 1, 4), cos, sin).expand(B, S, H, 4)
+    k = torch.cat([kv[..., :8], k_pe], -1)
+    want = attn.wo(_plain_attention(q, k, kv[..., 8:], scale=12 ** -0.5).reshape(B, S, H * 6))
+    torch.testing.assert_close(attn(x, cos, sin), want)
+
+
+def test_gpt_dropout_only_in_training_and_bias_gelu_pattern():
+    torch.manual_seed(0)
+    model = models.build_model("gpt-tiny", dropout=0.2, n_layers=2)
+    batch = _batch(256)
+    model.eval()
+    assert torch.equal(model(*batch), model(*batch))
+    model.train()
+    torch.manual_seed(1)
+    a = model(*batch)
+    torch.manual_seed(2)
+    assert not torch.equal(a, model(*batch))
+    mlp = model.layers[0].mlp
+    x = torch.randn(3, 128)
+    y, b = mlp(x)
+    torch.testing.assert_close(y + b, mlp.fc2(F.gelu(mlp.fc1(x))))
