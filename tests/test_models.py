@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import models
 from models.common import apply_rope, rope_tables
@@ -158,3 +160,179 @@ def test_gpt_dropout_only_in_training_and_bias_gelu_pattern():
     x = torch.randn(3, 128)
     y, b = mlp(x)
     torch.testing.assert_close(y + b, mlp.fc2(F.gelu(mlp.fc1(x))))
+
+
+# --- MoE --------------------------------------------------------------------------------
+
+def _moe_cfg(**kw):
+    from models.moe import MoEConfig
+    base = dict(dim=32, n_layers=2, n_heads=2, q_lora_rank=16, kv_lora_rank=8,
+                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, ffn_dim=48,
+                n_dense_layers=1, moe_ffn_dim=16, n_routed_experts=8, n_shared_experts=1,
+                topk=2, score_func="sigmoid", n_groups=4, topk_groups=2)
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+def _reference_gates(cfg, router, x_TD):
+    """Dense [T, E] gate matrix, routing each token by hand (independent of Router.forward)."""
+    logits = x_TD @ router.weight.T
+    T, E = logits.shape
+    gates = torch.zeros(T, E, dtype=torch.float64)
+    per_group = E // cfg.n_groups
+    for t in range(T):
+        s = logits[t].double().softmax(-1) if cfg.score_func == "softmax" else logits[t].double().sigmoid()
+        choice = s + router.expert_bias.double()
+        allowed = list(range(E))
+        if cfg.n_groups > 1:
+            group_score = [sorted(choice[g * per_group:(g + 1) * per_group].tolist())[-2:]
+                           for g in range(cfg.n_groups)]
+            best = sorted(range(cfg.n_groups), key=lambda g: -sum(group_score[g]))[:cfg.topk_groups]
+            allowed = [e for e in range(E) if e // per_group in best]
+        chosen = sorted(allowed, key=lambda e: -choice[e].item())[:cfg.topk]
+        w = s[chosen]
+        if cfg.norm_topk_prob:
+            w = w / w.sum()
+        gates[t, chosen] = w * cfg.route_scale
+    return gates
+
+
+def _check_moe_block_against_dense(cfg, seed=0):
+    from models.moe import MoEBlock
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        block = MoEBlock(cfg)
+        from models.common import init_normal_
+        init_normal_(block, 0.3)
+        # a selection bias that is large enough to change some choices
+        block.router.expert_bias.copy_(torch.randn(cfg.n_routed_experts) * 0.05)
+        x = torch.randn(2, 8, cfg.dim)
+        got, _ = block(x)
+        xt = x.reshape(-1, cfg.dim)
+        gates = _reference_gates(cfg, block.router, xt).float()
+        weights, ids, _ = block.router(xt)
+        torch.testing.assert_close(torch.zeros_like(gates).scatter(1, ids, weights), gates,
+                                   atol=1e-6, rtol=1e-6)
+        all_experts = torch.stack([block.experts.expert(e, xt) for e in range(cfg.n_routed_experts)], 1)
+        want = (gates[:, :, None] * all_experts).sum(1)
+        if block.shared is not None:
+            want = want + block.shared(xt)
+    torch.testing.assert_close(got.reshape(-1, cfg.dim), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
+def test_moe_dispatch_matches_dense_reference(score_func, groups):
+    _check_moe_block_against_dense(_moe_cfg(score_func=score_func, n_groups=groups[0],
+                                            topk_groups=groups[1]))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(score_func=st.sampled_from(["softmax", "sigmoid"]),
+       experts_groups=st.sampled_from([(4, 1, 1), (8, 2, 1), (8, 4, 2), (16, 4, 3)]),
+       topk=st.integers(1, 3), shared=st.integers(0, 2), norm=st.booleans(),
+       route_scale=st.sampled_from([1.0, 2.5]))
+def test_moe_dispatch_sweep(score_func, experts_groups, topk, shared, norm, route_scale):
+    E, G, TG = experts_groups
+    topk = min(topk, TG * E // G)
+    _check_moe_block_against_dense(_moe_cfg(
+        score_func=score_func, n_routed_experts=E, n_groups=G, topk_groups=TG, topk=topk,
+        n_shared_experts=shared, norm_topk_prob=norm, route_scale=route_scale))
+
+
+def test_moe_capacity_dispatch():
+    from models.moe import MoEBlock
+    torch.manual_seed(0)
+    block = MoEBlock(_moe_cfg())
+    from models.common import init_normal_
+    init_normal_(block, 0.3)
+    x = torch.randn(2, 8, 32)
+    dropless, _ = block(x)
+    block.cfg = _moe_cfg(capacity_factor=4.0)   # C = T*k: nothing can be dropped
+    torch.testing.assert_close(block(x)[0], dropless, atol=1e-5, rtol=1e-5)
+    block.cfg = _moe_cfg(capacity_factor=0.5)   # C = 2 of 4 average rows: some dropped
+    dropped, _ = block(x)
+    assert not torch.allclose(dropped, dropless)
+    # a token whose every assignment overflowed gets only the shared expert
+    assert torch.isfinite(dropped).all()
+
+
+def test_moe_forward_mutates_nothing_and_bias_update_is_explicit():
+    torch.manual_seed(0)
+    model = models.build_model("moe-tiny", n_layers=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = _batch(256)
+    model(*batch).backward()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    counts = model.expert_counts(batch[0])
+    assert [int(c.sum()) for c in counts] == [2 * 32 * 2]
+    model.update_expert_bias(counts, rate=1e-3)
+    bias = model.moe_blocks()[0].router.expert_bias
+    assert torch.equal(bias, 1e-3 * torch.sign(counts[0].float().mean() - counts[0].float()))
+
+
+def test_moe_aux_loss_adds_to_loss():
+    batch = _batch(256)
+    torch.manual_seed(0)
+    plain = models.build_model("moe-tiny", n_layers=2)
+    torch.manual_seed(0)
+    aux = models.build_model("moe-tiny", n_layers=2, aux_loss_coef=0.1)
+    diff = (aux(*batch) - plain(*batch)).item()
+    assert 0.05 < diff < 0.5   # coef * E * sum f*P is ~coef for a near-uniform router
+
+
+def test_moe_export_runs_on_a_new_routing():
+    torch.manual_seed(0)
+    model = models.build_model("moe-tiny", n_layers=2, dim=64)
+    a, b = _batch(256, S=16, seed=1), _batch(256, S=16, seed=2)
+    counts_a, counts_b = model.expert_counts(a[0])[0], model.expert_counts(b[0])[0]
+    assert not torch.equal(counts_a, counts_b)
+    ep = torch.export.export(model, a, strict=False)
+    assert not ep.graph_signature.buffers_to_mutate
+    exported = ep.module()
+    for batch in (a, b):
+        torch.testing.assert_close(exported(*batch), model(*batch), atol=1e-5, rtol=1e-5)
+
+
+def test_moe_joint_graph_runs_on_a_new_routing():
+    """aot_export_joint_with_descriptors needs fake inputs from a mode with a ShapeEnv:
+    the per-expert counts become unbacked SymInts (a static fake mode cannot hold them)."""
+    import contextlib
+    from torch._functorch._aot_autograd.descriptors import (BufferAOTInput, GradAOTOutput,
+                                                            ParamAOTInput, TangentAOTInput)
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    torch.manual_seed(0)
+    model = models.build_model("moe-tiny", n_layers=2, dim=64)
+    a, b = _batch(256, S=16, seed=1), _batch(256, S=16, seed=2)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fake = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in a)
+    with contextlib.ExitStack() as stack:
+        joint = aot_export_joint_with_descriptors(stack, model, fake)
+    gm = joint.graph_module
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    out_descs = gm.graph.find_nodes(op="output")[0].meta["desc"]
+    for batch in (a, b):
+        primals, tangents, user = [], [], iter(batch)
+        for node in placeholders:
+            desc = node.meta["desc"]
+            if isinstance(desc, ParamAOTInput):
+                primals.append(params[desc.target])
+            elif isinstance(desc, BufferAOTInput):
+                primals.append(buffers[desc.target])
+            elif isinstance(desc, TangentAOTInput):
+                tangents.append(torch.ones(()))
+            else:
+                primals.append(next(user))
+        fw_outs, grads = gm(primals, tangents)
+        model.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        torch.testing.assert_close(fw_outs[0], loss)
+        for desc, grad in zip(out_descs[1:], grads):
+            if isinstance(desc, GradAOTOutput):
+                torch.testing.assert_close(grad, params[desc.grad_of.target].grad,
+                                           atol=1e-6, rtol=1e-5)
