@@ -8,12 +8,14 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, given, settings, strategies as st  # noqa: E402
 
 from mxgraph.codegen.kernels import bias_gelu as K  # noqa: E402
 from mxgraph.codegen.kernels._testing import assert_close, opcheck  # noqa: E402
 
-SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
+# no shrinking: a failing example is reported as drawn (the interpreter is too slow to shrink)
+SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
+                    phases=[Phase.explicit, Phase.reuse, Phase.generate])
 SHAPES = st.tuples(st.integers(1, 3), st.integers(1, 43), st.integers(1, 73))
 APPROX = ["none", "tanh"]
 

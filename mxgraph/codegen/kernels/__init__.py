@@ -24,7 +24,7 @@ class Kernel:
     """Triton launch; runs on CPU tensors under the Triton interpreter in tests."""
 
 
-from mxgraph.codegen.kernels import bias_dropout_add, bias_gelu, swiglu  # noqa: E402
+from mxgraph.codegen.kernels import bias_dropout_add, bias_gelu, rmsnorm, swiglu  # noqa: E402
 
 KERNELS: dict[str, Kernel] = {}
 
@@ -42,3 +42,6 @@ _register("bias_gelu_backward", bias_gelu.bias_gelu_backward_reference, bias_gel
 _register("bias_dropout_add", bias_dropout_add.bias_dropout_add_reference, bias_dropout_add.bias_dropout_add_triton)
 _register("bias_dropout_add_backward", bias_dropout_add.bias_dropout_add_backward_reference,
           bias_dropout_add.bias_dropout_add_backward_triton)
+_register("rmsnorm", rmsnorm.rmsnorm_reference, rmsnorm.rmsnorm_triton)
+_register("add_rmsnorm", rmsnorm.add_rmsnorm_reference, rmsnorm.add_rmsnorm_triton)
+_register("rmsnorm_backward", rmsnorm.rmsnorm_backward_reference, rmsnorm.rmsnorm_backward_triton)
