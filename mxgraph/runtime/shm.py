@@ -163,10 +163,10 @@ class ShmSlot:
         if self._pinned_ptr:
             torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
             self._pinned_ptr = 0
+        # Drop references rather than mm.close(): tensors made by torch.frombuffer keep the
+        # mmap object alive, so the pages stay mapped until the last view is gone.
         self.buf = None
-        if self.mm is not None:
-            self.mm.close()
-            self.mm = None
+        self.mm = None
 
     def _resize(self, size: int) -> None:
         os.ftruncate(self.fd, size)
@@ -206,9 +206,11 @@ class ShmSlot:
         return {name: self.get(name) for name, _ in _FIELDS}
 
     # -- lock ----------------------------------------------------------------------------
-    def try_lock(self) -> bool:
+    def try_lock(self, *, shared: bool = False, blocking: bool = False) -> bool:
+        """Writers take the lock exclusive, readers shared; False when it is taken."""
+        op = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, op)
         except BlockingIOError:
             return False
         self.locked = True

@@ -1,0 +1,449 @@
+"""Flash checkpoint: save to host shared memory in the step, persist to disk behind it.
+
+    ckpt = FlashCheckpointer(dir, run_id=run_id, rank=rank, world_size=world, keep=2)
+    if (r := ckpt.restore()) is not None:
+        data_pos = apply_training_state(r.state, model, opt, sched); start = r.step + 1
+    ...
+    ckpt.save(step, capture_training_state(model, opt, sched, data_pos, plan.to_dict()))
+    ckpt.close()
+
+`save` blocks only for the copy into a reused /dev/shm slot (see shm.py); the node's saver
+process (saver.py) writes the slot to disk in DCP format (checkpoint_disk.py) and commits
+it. Two slots per rank: the newest complete snapshot is never overwritten, so a rank killed
+mid-copy still leaves one. On restart every rank offers the steps it holds in memory; the
+newest step held by all is restored from memory, else the newest committed disk checkpoint
+whose checksums pass (skipped ones are logged with their path and reason).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import random
+import threading
+import time
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from mxgraph.runtime import checkpoint_disk as disk
+from mxgraph.runtime import saver as saver_mod
+from mxgraph.runtime.shm import COMPLETE, EMPTY, SHM_DIR, ShmSlot, SnapshotMeta, flatten_state, \
+    layout, list_segments, slot_path, unflatten_state, unlink_segments
+
+logger = logging.getLogger("mxgraph.checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveResult:
+    status: str  # "copied" | "skipped" (no free slot: previous snapshot still persisting) | "failed"
+    step: int
+    blocking_s: float  # time save() held the caller
+    nbytes: int = 0
+    persist: bool = False  # a disk write was requested for this snapshot
+    reason: str = ""
+
+
+class Restored(NamedTuple):
+    step: int
+    state: Any
+    source: str  # "memory" | "disk"
+
+
+@dataclasses.dataclass
+class RestoreInfo:
+    source: str | None = None
+    step: int | None = None
+    path: str | None = None  # the slot file or the step folder loaded
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, reason)
+    resharded: bool = False  # saved at another world size; rank-local state is borrowed
+    seconds: float = 0.0
+
+
+def init_restartable_process_group(backend: str = "gloo", **kwargs: Any) -> None:
+    """`dist.init_process_group` that survives `torchrun --max-restarts`.
+
+    torch 2.13's torchrun keeps one store across restarts, so a restarted gloo group reads
+    the dead attempt's addresses ("Connection refused" in connectFullMesh); a store prefix
+    per attempt (TORCHELASTIC_RESTART_COUNT) keeps attempts apart.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"/mxgraph/attempt_{attempt}", store),
+                            rank=rank, world_size=world_size, **kwargs)
+
+
+def default_run_id() -> str:
+    """torchrun's run id (stable across --max-restarts), else MXGRAPH_RUN_ID."""
+    run_id = os.environ.get("MXGRAPH_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or run_id == "none":
+        raise ValueError("no run id: pass run_id=..., set MXGRAPH_RUN_ID or torchrun --rdzv-id")
+    return run_id
+
+
+class FlashCheckpointer:
+    """In-memory snapshots every save, disk checkpoints every `persist_every` steps.
+
+    A memory-only save finding no free slot (both hold snapshots still being written to
+    disk) is skipped at once; a save that asks for a disk write waits up to
+    `persist_wait_s` for one first, so that every rank persists the same steps.
+
+    saver: "process" (crash-safe: a detached per-node saver, started by local rank 0),
+    "thread" (a persister thread in this process), or "none" (memory only).
+    Construction, `restore` and `close` are collective over `group` when world_size > 1.
+    """
+
+    def __init__(self, directory: str, *, run_id: str, rank: int = 0, world_size: int = 1,
+                 keep: int = 2, local_rank: int | None = None, group: Any = None,
+                 num_slots: int = 2, persist_every: int = 1, saver: str = "process",
+                 persist_wait_s: float = 60.0, fsync: bool = True, linger_s: float = 120.0,
+                 shm_dir: str = SHM_DIR):
+        if saver not in ("process", "thread", "none"):
+            raise ValueError(f"saver must be 'process', 'thread' or 'none', not {saver!r}")
+        self.directory, self.run_id = os.path.abspath(directory), run_id
+        self.rank, self.world_size, self.keep = rank, world_size, keep
+        self.local_rank = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None \
+            else local_rank
+        self.group, self.persist_every, self.saver = group, persist_every, saver
+        self.fsync, self.linger_s, self.shm_dir = fsync, linger_s, shm_dir
+        self.persist_wait_s = persist_wait_s
+        self.distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
+        self.restore_info = RestoreInfo()
+        self._closed = False
+        self._last_saver_check = time.monotonic()
+        os.makedirs(self.directory, exist_ok=True)
+
+        if saver == "process" and self.local_rank == 0:
+            self._ensure_saver(discard_orphans=True)
+        if self.distributed:
+            dist.barrier(group=group)  # no rank opens its slots before orphans are gone
+        self.slots = [ShmSlot(slot_path(run_id, rank, i, shm_dir), create=True)
+                      for i in range(num_slots)]
+        for s in self.slots:
+            s.set(owner_pid=os.getpid(), closed=0)
+        self.seq = max(s.get("seq") for s in self.slots) + 1
+
+        self._loop = self._thread = None
+        if saver == "thread":
+            self._loop = saver_mod.SaverLoop(run_id=run_id, directory=self.directory, keep=keep,
+                                             ranks={rank}, shm_dir=shm_dir, fsync=fsync,
+                                             owns_segments=False)
+            self._thread = threading.Thread(target=self._loop.run, daemon=True,
+                                            name=f"mxgraph-persist-r{rank}")
+            self._thread.start()
+        if saver != "process":
+            atexit.register(self._unlink_own)
+
+    # -- saver process ------------------------------------------------------------------
+    def _ensure_saver(self, *, discard_orphans: bool) -> None:
+        if saver_mod.saver_pid(self.run_id, self.shm_dir) is not None:
+            return
+        stale = [p for p in list_segments(self.run_id, self.shm_dir) if not p.endswith(".lock")]
+        if discard_orphans and stale:
+            logger.warning("flash checkpoint: the saver of run %s died; discarding %d shared-"
+                           "memory snapshot(s) it owned (restore will use disk)",
+                           self.run_id, len(stale))
+            unlink_segments(self.run_id, self.shm_dir)
+        log = os.path.join(self.directory, f"saver-{os.uname().nodename}.log")
+        saver_mod.start_saver(run_id=self.run_id, directory=self.directory, keep=self.keep,
+                              fsync=self.fsync, linger_s=self.linger_s, shm_dir=self.shm_dir,
+                              log_path=log)
+
+    def _check_saver(self) -> None:
+        now = time.monotonic()
+        if self.saver != "process" or now - self._last_saver_check < 5.0:
+            return
+        self._last_saver_check = now
+        if saver_mod.saver_pid(self.run_id, self.shm_dir) is None:
+            logger.warning("flash checkpoint: the node's saver is gone%s",
+                           "; restarting it" if self.local_rank == 0 else "")
+            if self.local_rank == 0:
+                self._ensure_saver(discard_orphans=False)
+
+    # -- save ---------------------------------------------------------------------------
+    def _pending_persist(self, s: ShmSlot) -> bool:
+        return s.get("state") == COMPLETE and bool(s.get("persist_req")) and \
+            s.get("persisted_seq") < s.get("seq")
+
+    def _newest(self) -> ShmSlot | None:
+        done = [s for s in self.slots if s.get("state") == COMPLETE]
+        return max(done, key=lambda s: s.get("seq")) if done else None
+
+    def _free_slot(self) -> ShmSlot | None:
+        """A slot to write, locked: never the newest snapshot, never one awaiting disk."""
+        newest = self._newest()
+        for s in sorted(self.slots, key=lambda s: (s.get("state") == COMPLETE, s.get("seq"))):
+            if (s is newest and len(self.slots) > 1) or self._pending_persist(s):
+                continue
+            if s.try_lock():
+                return s
+        return None
+
+    def save(self, step: int, state: dict, *, persist: bool | None = None) -> SaveResult:
+        """Copy `state` into shared memory; returns once the copy is done."""
+        t0 = time.perf_counter()
+        if persist is None:
+            persist = step % self.persist_every == 0
+        persist = persist and self.saver != "none"
+        self._check_saver()
+        deadline = t0 + (self.persist_wait_s if persist else 0.0)
+        while (slot := self._free_slot()) is None and time.perf_counter() < deadline:
+            time.sleep(0.002)
+        if slot is None:
+            return SaveResult("skipped", step, time.perf_counter() - t0, persist=persist,
+                              reason="every free slot is still being persisted")
+        try:
+            skeleton, tensors = flatten_state(state, self.rank)
+            meta = SnapshotMeta(step, self.seq, self.rank, self.world_size, skeleton,
+                                layout(tensors))
+            nbytes = slot.write(meta, [t for _, t in tensors], persist=persist,
+                                owner_pid=os.getpid())
+            self.seq += 1
+            return SaveResult("copied", step, time.perf_counter() - t0, nbytes, persist)
+        except Exception as e:  # noqa: BLE001 - a failed snapshot must not kill training
+            logger.exception("flash checkpoint: save of step %d failed", step)
+            return SaveResult("failed", step, time.perf_counter() - t0, reason=repr(e))
+        finally:
+            slot.unlock()
+
+    # -- restore ------------------------------------------------------------------------
+    def _memory_steps(self) -> list[tuple[int, int, ShmSlot]]:
+        out = []
+        for s in self.slots:
+            meta, _ = s.read_meta()
+            if meta is not None and meta.rank == self.rank:
+                out.append((meta.step, meta.seq, s))
+        return sorted(out, key=lambda x: (x[0], x[1]), reverse=True)
+
+    def _agree_all(self, flag: bool) -> bool:
+        if not self.distributed:
+            return flag
+        t = torch.tensor([int(flag)], device=self._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    def _device(self) -> torch.device:
+        if self.distributed and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _common_memory_step(self, mine: list[tuple[int, int, ShmSlot]]) -> int:
+        steps = sorted({m[0] for m in mine}, reverse=True)
+        row = torch.full((len(self.slots),), -1, dtype=torch.int64)
+        row[:len(steps)] = torch.tensor(steps[:len(self.slots)], dtype=torch.int64)
+        if not self.distributed:
+            return int(row.max())
+        rows = [torch.empty_like(row, device=self._device()) for _ in range(self.world_size)]
+        dist.all_gather(rows, row.to(self._device()), group=self.group)
+        common = set.intersection(*[{int(x) for x in r.cpu() if x >= 0} for r in rows])
+        return max(common) if common else -1
+
+    def _read_memory(self, slot: ShmSlot) -> tuple[int, Any] | None:
+        slot.try_lock(shared=True, blocking=True)  # waits for a flush by the saver
+        try:
+            meta, reason = slot.read_meta()
+            if meta is None:
+                logger.warning("flash checkpoint: memory snapshot %s unusable: %s", slot.path,
+                               reason)
+                return None
+            views = slot.tensor_views(meta)
+            tensors = {k: v.clone() for k, v in views.items()}
+            del views
+            return meta.step, unflatten_state(meta.skeleton, tensors)
+        finally:
+            slot.unlock()
+
+    def restore(self) -> Restored | None:
+        """Newest state every rank can restore: memory if all hold it, else disk."""
+        t0 = time.perf_counter()
+        info = self.restore_info = RestoreInfo()
+        mine = self._memory_steps()
+        common = self._common_memory_step(mine)
+        got = None
+        if common >= 0:
+            slot = next(s for step, _, s in mine if step == common)
+            got = self._read_memory(slot)
+            if self._agree_all(got is not None):
+                info.source, info.path = "memory", slot.path
+            else:
+                got = None
+        if got is None:
+            got = self._restore_disk(info)
+        if got is None:
+            info.seconds = time.perf_counter() - t0
+            return None
+        step, state = got
+        info.step, info.seconds = step, time.perf_counter() - t0
+        self._invalidate_after(step)
+        logger.info("flash checkpoint: rank %d restored step %d from %s (%s) in %.3f s",
+                    self.rank, step, info.source, info.path, info.seconds)
+        return Restored(step, state, info.source)
+
+    def _restore_disk(self, info: RestoreInfo) -> tuple[int, Any] | None:
+        candidates = disk.list_steps(self.directory)
+        if self.distributed:  # everyone walks rank 0's view of the folder
+            box = [candidates]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            candidates = box[0]
+        for step, path in candidates:
+            reason = None
+            if not disk.is_committed(path):
+                reason = disk.verify(path)
+            else:
+                try:
+                    saved = disk.saved_world_size(path)
+                    share = [r for r in range(saved) if r % self.world_size == self.rank]
+                    reason = disk.verify(path, ranks=share)
+                except Exception as e:  # noqa: BLE001
+                    reason = f"unreadable: {e!r}"
+            reasons = [reason]
+            if self.distributed:
+                reasons = [None] * self.world_size
+                dist.all_gather_object(reasons, reason, group=self.group)
+            bad = next((r for r in reasons if r), None)
+            if bad:
+                logger.warning("flash checkpoint: skipping checkpoint %s: %s", path, bad)
+                info.skipped.append((path, bad))
+                continue
+            saved = disk.saved_world_size(path)
+            info.source, info.path = "disk", path
+            info.resharded = saved != self.world_size
+            return step, disk.load(path, source_rank=self.rank % saved)
+        if info.skipped:
+            logger.warning("flash checkpoint: no usable checkpoint in %s", self.directory)
+        return None
+
+    def _invalidate_after(self, step: int) -> None:
+        """Forget snapshots newer than the restored step (they belong to a lost future)."""
+        for s in self.slots:
+            if s.get("state") == COMPLETE and s.get("step") > step:
+                s.try_lock(blocking=True)
+                try:
+                    s.set(state=EMPTY)
+                finally:
+                    s.unlock()
+
+    # -- close --------------------------------------------------------------------------
+    def wait_persisted(self, timeout_s: float = 300.0) -> bool:
+        """Block until this rank's requested disk writes are done."""
+        deadline = time.monotonic() + timeout_s
+        while any(self._pending_persist(s) for s in self.slots):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self, *, timeout_s: float = 300.0) -> None:
+        """Finish pending disk writes, commit, release the segments. Collective."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.saver != "none" and not self.wait_persisted(timeout_s):
+            logger.warning("flash checkpoint: rank %d: persist still pending at close", self.rank)
+        if self.distributed:
+            dist.barrier(group=self.group)  # every rank's part is on disk
+        if self._loop is not None:
+            self._loop.stop.set()
+            self._thread.join()
+            if self.rank == 0 and self.distributed:
+                self._commit_all(timeout_s)
+            elif self.rank == 0:
+                self._loop.commit_ready()
+        if self.distributed and self.saver == "thread":
+            dist.barrier(group=self.group)  # rank 0 committed
+        for s in self.slots:
+            s.set(closed=1)
+        if self.saver == "process":
+            if self.local_rank == 0:  # the saver commits, cleans up and exits
+                deadline = time.monotonic() + timeout_s
+                while saver_mod.saver_pid(self.run_id, self.shm_dir) is not None and \
+                        time.monotonic() < deadline:
+                    time.sleep(0.01)
+        for s in self.slots:
+            s.close()
+        if self.saver != "process":
+            self._unlink_own()
+
+    def _commit_all(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self._loop.to_commit and time.monotonic() < deadline:
+            self._loop.commit_ready()
+            if self._loop.to_commit:
+                time.sleep(0.01)
+
+    def _unlink_own(self) -> None:
+        for i in range(len(getattr(self, "slots", []))):
+            try:
+                os.unlink(slot_path(self.run_id, self.rank, i, self.shm_dir))
+            except FileNotFoundError:
+                pass
+
+
+# -- training-state helpers --------------------------------------------------------------
+def capture_rng() -> dict:
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        rng["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    return rng
+
+
+def apply_rng(rng: dict) -> None:
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    if "numpy" in rng:
+        import numpy as np
+        np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _named_tensors(model_or_params: Any) -> dict[str, torch.Tensor]:
+    if isinstance(model_or_params, torch.nn.Module):
+        return model_or_params.state_dict()
+    if isinstance(model_or_params, dict):
+        return dict(model_or_params)
+    return {str(i): p for i, p in enumerate(model_or_params)}
+
+
+def capture_training_state(model_or_params: Any, optimizer: Any = None, scheduler: Any = None,
+                           data_position: Any = None, plan_dict: dict | None = None) -> dict:
+    """The state to pass to `FlashCheckpointer.save` (references, not copies).
+
+    model_or_params: an nn.Module (its state_dict), a dict name -> tensor, or a list of
+    this rank's parameter shards. Tensors outside "rank_local" are taken to be the same on
+    every data-parallel rank and are stored once on disk.
+    """
+    return {
+        "model": _named_tensors(model_or_params),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "plan": plan_dict,
+        "rank_local": {"data_position": data_position, "rng": capture_rng()},
+    }
+
+
+def apply_training_state(state: dict, model_or_params: Any, optimizer: Any = None,
+                         scheduler: Any = None, *, restore_rng: bool = True) -> Any:
+    """Load `state` into the live objects; returns the data position."""
+    if isinstance(model_or_params, torch.nn.Module):
+        model_or_params.load_state_dict(state["model"])
+    else:
+        targets = _named_tensors(model_or_params)
+        with torch.no_grad():
+            for name, t in state["model"].items():
+                targets[name].copy_(t)
+    if optimizer is not None and state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        apply_rng(state["rank_local"]["rng"])
+    return state["rank_local"]["data_position"]

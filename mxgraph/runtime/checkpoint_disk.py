@@ -1,0 +1,250 @@
+"""On-disk layout of flash checkpoints: `torch.distributed.checkpoint` (DCP) format.
+
+    <dir>/step_000000120/
+        rank_0/__0_0.distcp  rank_0/.metadata  rank_0/manifest.json   (one per saving rank)
+        rank_1/...
+        mxgraph.json                                                  (step, world size)
+        .metadata                                                     (global; renamed last)
+
+Each rank's part is written on its own (`dcp.save(no_dist=True)`) from the shared-memory
+snapshot, then `manifest.json` (crc32 and size of each file) is renamed into place. When
+every rank's manifest exists, the committer merges the parts' metadata into one global
+DCP `.metadata` (tensors replicated across ranks are kept once) and renames it into place:
+that rename is the commit. `dcp.load(state, checkpoint_id=<step dir>)` then reads it at
+any world size.
+
+Keys are '/'-joined state paths; rank-local entries live under `__rank<r>__/` and each
+rank's skeleton (the state with tensors replaced by `TensorRef`) is the BytesIO entry
+`__rank<r>__/__snapshot__`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import warnings
+import zlib
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from mxgraph.runtime.shm import SnapshotMeta, TensorRef, unflatten_state
+
+logger = logging.getLogger("mxgraph.checkpoint")
+
+METADATA = ".metadata"
+MANIFEST = "manifest.json"
+INFO = "mxgraph.json"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def step_dir(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step_{step:09d}")
+
+
+def snapshot_key(rank: int) -> str:
+    return f"__rank{rank}__/__snapshot__"
+
+
+def list_steps(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of every step folder, newest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    out = [(int(m.group(1)), os.path.join(directory, n)) for n in names
+           if (m := _STEP_RE.match(n)) and os.path.isdir(os.path.join(directory, n))]
+    return sorted(out, reverse=True)
+
+
+def is_committed(path: str) -> bool:
+    return os.path.exists(os.path.join(path, METADATA))
+
+
+def file_crc32(path: str, chunk: int = 8 << 20) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def _write_atomic(path: str, data: bytes, fsync: bool) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():  # "torch.distributed is disabled..." on every no_dist call
+        warnings.simplefilter("ignore", UserWarning)
+        return fn(*args, **kwargs)
+
+
+def persist_rank(directory: str, meta: SnapshotMeta, tensors: dict[str, torch.Tensor], *,
+                 fsync: bool = True) -> str:
+    """Write one rank's part of step `meta.step`; returns its folder. Idempotent."""
+    part = os.path.join(step_dir(directory, meta.step), f"rank_{meta.rank}")
+    if os.path.exists(os.path.join(part, MANIFEST)):
+        return part
+    if os.path.isdir(part):
+        shutil.rmtree(part)  # a half-written part from an earlier attempt
+    os.makedirs(part)
+    record = {"step": meta.step, "rank": meta.rank, "world_size": meta.world_size,
+              "skeleton": meta.skeleton}
+    flat: dict[str, Any] = dict(tensors)
+    flat[snapshot_key(meta.rank)] = io.BytesIO(pickle.dumps(record, pickle.HIGHEST_PROTOCOL))
+    _quiet(dcp.save, flat, storage_writer=FileSystemWriter(part, sync_files=fsync), no_dist=True)
+    files = {name: {"crc32": file_crc32(os.path.join(part, name)),
+                    "size": os.path.getsize(os.path.join(part, name))}
+             for name in sorted(os.listdir(part)) if not name.endswith(".tmp")}
+    manifest = {"step": meta.step, "rank": meta.rank, "world_size": meta.world_size,
+                "files": files}
+    _write_atomic(os.path.join(part, MANIFEST), json.dumps(manifest).encode(), fsync)
+    return part
+
+
+def read_manifests(path: str) -> dict[int, dict]:
+    out = {}
+    for name in os.listdir(path):
+        mpath = os.path.join(path, name, MANIFEST)
+        if name.startswith("rank_") and os.path.exists(mpath):
+            with open(mpath) as f:
+                m = json.load(f)
+            out[m["rank"]] = m
+    return out
+
+
+def try_commit(path: str, *, fsync: bool = True) -> bool:
+    """Merge the ranks' parts into a global DCP checkpoint if all are there. Idempotent."""
+    if is_committed(path):
+        return True
+    manifests = read_manifests(path)
+    if not manifests:
+        return False
+    world_size = next(iter(manifests.values()))["world_size"]
+    if sorted(manifests) != list(range(world_size)):
+        return False
+    merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={})
+    owner: dict[str, int] = {}
+    for rank in range(world_size):
+        md = FileSystemReader(os.path.join(path, f"rank_{rank}")).read_metadata()
+        for fqn, smd in md.state_dict_metadata.items():
+            if fqn in merged.state_dict_metadata:
+                old = merged.state_dict_metadata[fqn]
+                if isinstance(smd, TensorStorageMetadata) and old.size != smd.size:
+                    raise ValueError(f"{path}: '{fqn}' has size {tuple(smd.size)} on rank "
+                                     f"{rank} but {tuple(old.size)} on rank {owner[fqn]}")
+                continue  # replicated: keep the first rank's copy
+            merged.state_dict_metadata[fqn] = smd
+            owner[fqn] = rank
+            if isinstance(md.planner_data, dict) and fqn in md.planner_data:
+                merged.planner_data[fqn] = md.planner_data[fqn]
+        for index, info in md.storage_data.items():
+            if owner.get(index.fqn) == rank:
+                info.relative_path = f"rank_{rank}/{info.relative_path}"
+                merged.storage_data[index] = info
+    info = {"step": manifests[0]["step"], "world_size": world_size, "format": "mxgraph-dcp-1"}
+    _write_atomic(os.path.join(path, INFO), json.dumps(info).encode(), fsync)
+    _write_atomic(os.path.join(path, METADATA), pickle.dumps(merged), fsync)  # the commit
+    if fsync:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return True
+
+
+def prune(directory: str, keep: int) -> list[str]:
+    """Delete committed checkpoints beyond the newest `keep`, and uncommitted folders older
+    than the newest committed one. Nothing newer than the newest commit is touched."""
+    removed = []
+    steps = list_steps(directory)
+    committed = [(s, p) for s, p in steps if is_committed(p)]
+    if not committed:
+        return removed
+    newest_step = committed[0][0]
+    doomed = [p for _, p in committed[max(keep, 1):]]
+    doomed += [p for s, p in steps if s < newest_step and not is_committed(p)]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def verify(path: str, *, ranks: list[int] | None = None) -> str | None:
+    """None when the checkpoint at `path` is committed and intact, else the reason.
+
+    `ranks` limits the checksum pass to those saving ranks' files (so that restoring
+    ranks can share the reading); None checks every file.
+    """
+    if not is_committed(path):
+        return "incomplete: no .metadata (never committed)"
+    try:
+        with open(os.path.join(path, INFO)) as f:
+            world_size = json.load(f)["world_size"]
+        FileSystemReader(path).read_metadata()
+        manifests = read_manifests(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable file means a bad checkpoint
+        return f"unreadable metadata: {e!r}"
+    if sorted(manifests) != list(range(world_size)):
+        return f"manifests for ranks {sorted(manifests)}, expected {world_size}"
+    for rank in range(world_size) if ranks is None else ranks:
+        for name, rec in manifests[rank]["files"].items():
+            fpath = os.path.join(path, f"rank_{rank}", name)
+            if not os.path.exists(fpath):
+                return f"missing file {fpath}"
+            if os.path.getsize(fpath) != rec["size"]:
+                return f"size mismatch in {fpath}"
+            if file_crc32(fpath) != rec["crc32"]:
+                return f"checksum mismatch in {fpath}"
+    return None
+
+
+def saved_world_size(path: str) -> int:
+    with open(os.path.join(path, INFO)) as f:
+        return json.load(f)["world_size"]
+
+
+def load(path: str, *, source_rank: int) -> Any:
+    """Load saving rank `source_rank`'s state (its skeleton, every tensor it refers to)."""
+    key = snapshot_key(source_rank)
+    template: dict[str, Any] = {key: io.BytesIO()}
+    _quiet(dcp.load, template, checkpoint_id=path, no_dist=True)
+    buf = template[key]
+    buf.seek(0)
+    record = pickle.loads(buf.read())
+    md = FileSystemReader(path).read_metadata()
+    refs: list[str] = []
+
+    def collect(obj: Any) -> None:
+        if isinstance(obj, TensorRef):
+            refs.append(obj.key)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                collect(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                collect(v)
+
+    collect(record["skeleton"])
+    tensors = {}
+    for k in refs:
+        smd = md.state_dict_metadata[k]
+        tensors[k] = torch.empty(tuple(smd.size), dtype=smd.properties.dtype)
+    if tensors:
+        _quiet(dcp.load, dict(tensors), checkpoint_id=path, no_dist=True)
+    return unflatten_state(record["skeleton"], tensors)
