@@ -24,7 +24,7 @@ class Kernel:
     """Triton launch; runs on CPU tensors under the Triton interpreter in tests."""
 
 
-from mxgraph.codegen.kernels import bias_dropout_add, bias_gelu, rmsnorm, swiglu  # noqa: E402
+from mxgraph.codegen.kernels import bias_dropout_add, bias_gelu, rmsnorm, rope, swiglu  # noqa: E402
 
 KERNELS: dict[str, Kernel] = {}
 
@@ -45,3 +45,5 @@ _register("bias_dropout_add_backward", bias_dropout_add.bias_dropout_add_backwar
 _register("rmsnorm", rmsnorm.rmsnorm_reference, rmsnorm.rmsnorm_triton)
 _register("add_rmsnorm", rmsnorm.add_rmsnorm_reference, rmsnorm.add_rmsnorm_triton)
 _register("rmsnorm_backward", rmsnorm.rmsnorm_backward_reference, rmsnorm.rmsnorm_backward_triton)
+_register("rope", rope.rope_reference, rope.rope_triton)
+_register("rope_backward", rope.rope_backward_reference, rope.rope_backward_triton)
