@@ -28,6 +28,7 @@ class Cost:
 
 FLOP_RULES: dict[object, Callable[..., int]] = {}
 FREE_OPS = {aten.detach, aten.alias, aten._unsafe_view, aten.lift_fresh_copy,
+            aten._assert_tensor_metadata,
             aten.sym_size, aten.sym_numel, aten.sym_stride}
 
 
@@ -163,7 +164,7 @@ def node_cost(node: Node) -> Cost:
     return Cost(0, moved, known=False)
 
 
-_COPY_OPS = {aten.clone, aten.copy, aten._to_copy, aten.cat, aten.stack, aten.new_zeros,
+_COPY_OPS = {aten.clone, aten.to, aten.copy, aten._to_copy, aten.cat, aten.stack, aten.new_zeros,
              aten.zeros, aten.zeros_like, aten.ones_like, aten.full, aten.empty,
              aten.scalar_tensor, aten.arange, aten.empty_like, aten.full_like,
              aten.ones, aten.new_empty, aten.new_ones, aten.new_full, aten.select_scatter,

@@ -1,0 +1,84 @@
+"""The `mxgraph` command: train, inspect, search, bench."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+
+from mxgraph.train import TrainConfig
+
+
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls) -> None:
+    """One flag per field, its help taken from the field's docstring in the source."""
+    docs = _field_docs(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, action="store_true", help=docs.get(f.name, ""))
+            continue
+        kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+        parser.add_argument(flag, type=kind, default=f.default, help=docs.get(f.name, ""))
+
+
+def _field_docs(cls) -> dict[str, str]:
+    import ast
+    import inspect
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for stmt, following in zip(body, body[1:]):
+        if isinstance(stmt, ast.AnnAssign) and isinstance(following, ast.Expr) and \
+                isinstance(following.value, ast.Constant):
+            docs[stmt.target.id] = " ".join(str(following.value.value).split())
+    return docs
+
+
+def _train(args) -> int:
+    if args.nproc > 1:
+        argv = [a for a in sys.argv[1:] if not a.startswith("--nproc")]
+        argv = [a for i, a in enumerate(argv) if not (i and sys.argv[1:][i - 1] == "--nproc")]
+        command = [sys.executable, "-m", "torch.distributed.run",
+                   f"--nproc-per-node={args.nproc}", "-m", "mxgraph.cli"] + argv
+        return subprocess.call(command)
+    from mxgraph.train import train
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    result = train(cfg, progress=not args.no_progress)
+    print(f"train loss {result['train_loss']:.4f} | validation loss {result['val_loss']:.4f} "
+          f"nats/token | {result['tokens_per_s']:,.0f} tokens/s | {result['seconds']:.1f} s")
+    return 0
+
+
+def _inspect(args) -> int:
+    from mxgraph.inspect import main as inspect_main
+    return inspect_main(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mxgraph", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a preset model on the CPU or GPUs",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_dataclass_flags(train, TrainConfig)
+    train.add_argument("--nproc", type=int, default=1,
+                       help="processes to start through torchrun (distributed plans)")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.set_defaults(run=_train)
+    inspect = commands.add_parser("inspect", help="summarise a dump directory")
+    inspect.add_argument("dump_dir", help="directory written by Plan(dump_dir=...)")
+    inspect.add_argument("--diff", nargs=2, metavar=("PASS_A", "PASS_B"),
+                         help="show which ops two passes' graphs differ in")
+    inspect.set_defaults(run=_inspect)
+    return parser
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
