@@ -13,9 +13,10 @@ Routing (per token): ``scores = sigmoid|softmax(x @ router.weight.T)``; the choi
 scores sum highest), the gate weights are the *unbiased* scores of the chosen experts,
 optionally renormalised (``norm_topk_prob``), times ``route_scale``.
 
-Dispatch is dropless by default: assignments are sorted by expert, per-expert counts become
-unbacked SymInts when traced (``torch._check`` bounds them), so one traced graph serves every
-routing. With ``capacity_factor`` set, each expert takes at most
+Dispatch is dropless by default: assignments are sorted by expert; with ``expert_impl="loop"``
+per-expert counts become unbacked SymInts when traced (``torch._check`` bounds them), with
+``"grouped_mm"`` they stay in an offsets tensor fed to the ``models::grouped_mm`` custom op;
+either way one traced graph serves every routing. With ``capacity_factor`` set, each expert takes at most
 ``ceil(T * topk / E * capacity_factor)`` assignments (earlier tokens first, the rest dropped)
 in a fixed-shape [E, C, D] batched GEMM.
 
@@ -101,6 +102,11 @@ class MoEConfig:
     """Load-balancing aux loss coefficient, added to the returned loss (0 = off)."""
     capacity_factor: float | None = None
     """None: dropless dispatch; else per-expert capacity ceil(T*topk/E*factor), rest dropped."""
+    expert_impl: Literal["loop", "grouped_mm"] = "loop"
+    """Dropless expert compute: "loop" runs each expert on its slice in plain ATen (per-expert
+    counts become unbacked SymInts when traced: ~0.1 s of tracing per expert per layer);
+    "grouped_mm" runs all experts in three ``models::grouped_mm`` custom ops with an offsets
+    tensor (static shapes, any dtype: traces 256 experts x 58 layers quickly)."""
 
     def __post_init__(self):
         if self.n_kv_heads is None:
@@ -115,6 +121,8 @@ class MoEConfig:
             raise ValueError("need n_routed_experts % n_groups == 0 and 1 <= topk_groups <= n_groups")
         if self.topk > self.topk_groups * self.n_routed_experts // self.n_groups:
             raise ValueError("topk exceeds the experts in topk_groups groups")
+        if self.expert_impl not in ("loop", "grouped_mm"):
+            raise ValueError(f"expert_impl must be 'loop' or 'grouped_mm', got {self.expert_impl!r}")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError("n_dense_layers must be in [0, n_layers]")
 
@@ -232,6 +240,80 @@ def dispatch_dropless(x_TD: torch.Tensor, weights_TK: torch.Tensor, expert_ids_T
     return torch.zeros_like(x_TD).index_add(0, token_of_row, y_rows * w_rows[:, None])
 
 
+@torch.library.custom_op("models::grouped_mm", mutates_args=())
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` [N, I] sorted by group; group g owns rows offs[g-1]:offs[g] (offs [G],
+    cumulative ends) and multiplies them by ``w[g]`` [I, O]. Rows past offs[-1] give 0.
+
+    Reference implementation (CPU and oracle); same contract as ``torch._grouped_mm`` with
+    ``offs``, which a codegen pass may substitute where it is supported (bf16 on CUDA).
+    """
+    out = x.new_zeros(x.shape[0], w.shape[2])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ w[g]
+        start = end
+    return out
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(x, w, offs):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("models::grouped_mm_wgrad", mutates_args=())
+def grouped_mm_wgrad(x: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Weight gradient of ``grouped_mm``: [G, I, O] with ``x_g.T @ grad_out_g`` per group."""
+    grad_w = x.new_zeros(offs.shape[0], x.shape[1], grad_out.shape[1])
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        if end > start:
+            grad_w[g] = x[start:end].T @ grad_out[start:end]
+        start = end
+    return grad_w
+
+
+@grouped_mm_wgrad.register_fake
+def _grouped_mm_wgrad_fake(x, grad_out, offs):
+    return x.new_empty(offs.shape[0], x.shape[1], grad_out.shape[1])
+
+
+def _grouped_mm_setup_context(ctx, inputs, output):
+    x, w, offs = inputs
+    ctx.save_for_backward(x, w, offs)
+
+
+def _grouped_mm_backward(ctx, grad_out):
+    x, w, offs = ctx.saved_tensors
+    grad_x = grouped_mm(grad_out, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
+    grad_w = grouped_mm_wgrad(x, grad_out, offs) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup_context)
+
+
+def dispatch_grouped_mm(x_TD: torch.Tensor, weights_TK: torch.Tensor,
+                        expert_ids_TK: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """Dropless like ``dispatch_dropless``, but the experts run as three ``grouped_mm`` ops over
+    the sorted rows; per-expert counts live in the ``offs`` tensor, so every shape is static."""
+    T, K = expert_ids_TK.shape
+    E = experts.n_experts
+    flat_ids = expert_ids_TK.reshape(-1)
+    order = flat_ids.argsort(stable=True)
+    token_of_row = order // K
+    counts = torch.zeros(E, dtype=torch.long, device=x_TD.device).scatter_add(
+        0, flat_ids, torch.ones_like(flat_ids))
+    offs = counts.cumsum(0)
+    x_rows = x_TD[token_of_row]
+    h = (F.silu(grouped_mm(x_rows, experts.w_gate.transpose(1, 2), offs))
+         * grouped_mm(x_rows, experts.w_up.transpose(1, 2), offs))
+    y_rows = grouped_mm(h, experts.w_down.transpose(1, 2), offs)
+    w_rows = weights_TK.reshape(-1)[order].to(y_rows.dtype)
+    return torch.zeros_like(x_TD).index_add(0, token_of_row, y_rows * w_rows[:, None])
+
+
 def dispatch_capacity(x_TD: torch.Tensor, weights_TK: torch.Tensor, expert_ids_TK: torch.Tensor,
                       experts: Experts, capacity_factor: float) -> torch.Tensor:
     """Fixed-shape dispatch: each expert takes at most C rows (earlier tokens first)."""
@@ -267,10 +349,12 @@ class MoEBlock(nn.Module):
         B, S, D = x_BSD.shape
         x = x_BSD.reshape(B * S, D)
         weights, expert_ids, scores = self.router(x)
-        if self.cfg.capacity_factor is None:
-            y = dispatch_dropless(x, weights, expert_ids, self.experts)
-        else:
+        if self.cfg.capacity_factor is not None:
             y = dispatch_capacity(x, weights, expert_ids, self.experts, self.cfg.capacity_factor)
+        elif self.cfg.expert_impl == "grouped_mm":
+            y = dispatch_grouped_mm(x, weights, expert_ids, self.experts)
+        else:
+            y = dispatch_dropless(x, weights, expert_ids, self.experts)
         if self.shared is not None:
             y = y + self.shared(x)
         aux = self._aux_loss(scores, expert_ids) if self.cfg.aux_loss_coef > 0 else scores.new_zeros(())

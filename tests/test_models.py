@@ -220,11 +220,24 @@ def _check_moe_block_against_dense(cfg, seed=0):
     torch.testing.assert_close(got.reshape(-1, cfg.dim), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("expert_impl", ["loop", "grouped_mm"])
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("groups", [(1, 1), (4, 2)])
-def test_moe_dispatch_matches_dense_reference(score_func, groups):
+def test_moe_dispatch_matches_dense_reference(score_func, groups, expert_impl):
     _check_moe_block_against_dense(_moe_cfg(score_func=score_func, n_groups=groups[0],
-                                            topk_groups=groups[1]))
+                                            topk_groups=groups[1], expert_impl=expert_impl))
+
+
+def test_grouped_mm_op_matches_loop_and_passes_opcheck():
+    from models.moe import grouped_mm
+    torch.manual_seed(0)
+    x = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, 5, dtype=torch.float64, requires_grad=True)
+    offs = torch.tensor([3, 3, 7, 10])
+    want = torch.cat([x[0:3] @ w[0], x[3:7] @ w[2], x[7:10] @ w[3]])
+    torch.testing.assert_close(grouped_mm(x, w, offs), want)
+    torch.autograd.gradcheck(lambda a, b: grouped_mm(a, b, offs), (x, w))
+    torch.library.opcheck(grouped_mm, (x, w, offs))
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
@@ -282,9 +295,10 @@ def test_moe_aux_loss_adds_to_loss():
     assert 0.05 < diff < 0.5   # coef * E * sum f*P is ~coef for a near-uniform router
 
 
-def test_moe_export_runs_on_a_new_routing():
+@pytest.mark.parametrize("expert_impl", ["loop", "grouped_mm"])
+def test_moe_export_runs_on_a_new_routing(expert_impl):
     torch.manual_seed(0)
-    model = models.build_model("moe-tiny", n_layers=2, dim=64)
+    model = models.build_model("moe-tiny", n_layers=2, dim=64, expert_impl=expert_impl)
     a, b = _batch(256, S=16, seed=1), _batch(256, S=16, seed=2)
     counts_a, counts_b = model.expert_counts(a[0])[0], model.expert_counts(b[0])[0]
     assert not torch.equal(counts_a, counts_b)
@@ -295,9 +309,11 @@ def test_moe_export_runs_on_a_new_routing():
         torch.testing.assert_close(exported(*batch), model(*batch), atol=1e-5, rtol=1e-5)
 
 
-def test_moe_joint_graph_runs_on_a_new_routing():
-    """aot_export_joint_with_descriptors needs fake inputs from a mode with a ShapeEnv:
-    the per-expert counts become unbacked SymInts (a static fake mode cannot hold them)."""
+@pytest.mark.parametrize("expert_impl", ["loop", "grouped_mm"])
+def test_moe_joint_graph_runs_on_a_new_routing(expert_impl):
+    """With expert_impl="loop", aot_export_joint_with_descriptors needs fake inputs from a mode
+    with a ShapeEnv: the per-expert counts become unbacked SymInts (a static fake mode cannot
+    hold them). "grouped_mm" has static shapes and traces either way."""
     import contextlib
     from torch._functorch._aot_autograd.descriptors import (BufferAOTInput, GradAOTOutput,
                                                             ParamAOTInput, TangentAOTInput)
@@ -305,7 +321,7 @@ def test_moe_joint_graph_runs_on_a_new_routing():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     torch.manual_seed(0)
-    model = models.build_model("moe-tiny", n_layers=2, dim=64)
+    model = models.build_model("moe-tiny", n_layers=2, dim=64, expert_impl=expert_impl)
     a, b = _batch(256, S=16, seed=1), _batch(256, S=16, seed=2)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in a)
