@@ -1,0 +1,155 @@
+"""Flash checkpoint in one process: memory and disk round trips, integrity, retention."""
+
+import glob
+import logging
+import os
+import uuid
+import warnings
+
+import pytest
+import torch
+
+from mxgraph.runtime import checkpoint_disk as disk
+from mxgraph.runtime.checkpoint import FlashCheckpointer, apply_training_state, \
+    capture_training_state
+from mxgraph.runtime.shm import WRITING, segment_prefix
+
+
+def _tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def _train(model, opt, sched, steps):
+    for _ in range(steps):
+        x = torch.randn(4, 8)  # global RNG: restoring it matters
+        model(x).square().mean().backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+
+
+@pytest.fixture
+def run_id():
+    rid = f"test-{uuid.uuid4().hex[:10]}"
+    yield rid
+    left = glob.glob(f"/dev/shm/{segment_prefix(rid)}*")
+    assert not left, f"/dev/shm leftovers: {left}"
+
+
+def _ckpt(tmp_path, run_id, **kw):
+    kw.setdefault("saver", "thread")
+    kw.setdefault("fsync", False)
+    return FlashCheckpointer(str(tmp_path / "ckpt"), run_id=run_id, **kw)
+
+
+def test_memory_restore_continues_bitwise(tmp_path, run_id):
+    model, opt, sched = _tiny()
+    _train(model, opt, sched, 3)
+    first = _ckpt(tmp_path, run_id, persist_every=1000)
+    res = first.save(3, capture_training_state(model, opt, sched, 3, {"dp": 1}))
+    assert res.status == "copied" and res.nbytes > 0 and not res.persist
+    _train(model, opt, sched, 3)
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    second = _ckpt(tmp_path, run_id, persist_every=1000)  # a restarted process, same run
+    restored = second.restore()
+    assert restored is not None and restored.source == "memory" and restored.step == 3
+    model2, opt2, sched2 = _tiny()
+    assert apply_training_state(restored.state, model2, opt2, sched2) == 3
+    assert restored.state["plan"] == {"dp": 1}
+    _train(model2, opt2, sched2, 3)
+    for a, b in zip(expected, model2.parameters()):
+        assert torch.equal(a, b)
+    second.close()
+    first.close()
+
+
+def test_half_written_snapshot_is_never_loaded(tmp_path, run_id):
+    model, opt, sched = _tiny()
+    ck = _ckpt(tmp_path, run_id, saver="none")
+    ck.save(1, capture_training_state(model, opt, sched, 1))
+    _train(model, opt, sched, 1)
+    ck.save(2, capture_training_state(model, opt, sched, 2))
+    newest = max(ck.slots, key=lambda s: s.get("seq"))
+    newest.set(state=WRITING)  # as if the rank died mid-copy
+    got = ck.restore()
+    assert got.step == 1 and got.source == "memory"
+    ck.close()
+
+
+def test_save_skips_when_every_slot_awaits_disk(tmp_path, run_id):
+    model, opt, sched = _tiny()
+    ck = _ckpt(tmp_path, run_id, saver="none")
+    state = capture_training_state(model, opt, sched, 0)
+    assert ck.save(1, state).status == "copied"
+    assert ck.save(2, state).status == "copied"
+    for s in ck.slots:  # pretend both still wait for the saver
+        s.set(persist_req=1)
+    res = ck.save(3, state)
+    assert res.status == "skipped" and "persisted" in res.reason
+    ck.close()
+
+
+def test_disk_restore_skips_corrupt_and_uncommitted(tmp_path, run_id, caplog):
+    model, opt, sched = _tiny()
+    ck = _ckpt(tmp_path, run_id, keep=5)
+    params = {}
+    for step in (1, 2, 3):
+        _train(model, opt, sched, 1)
+        params[step] = [p.detach().clone() for p in model.parameters()]
+        assert ck.save(step, capture_training_state(model, opt, sched, step),
+                       persist=True).status == "copied"
+        ck.wait_persisted()
+    ck.close()
+    root = str(tmp_path / "ckpt")
+    assert [s for s, p in disk.list_steps(root) if disk.is_committed(p)] == [3, 2, 1]
+
+    # step 3: flip bytes in a shard; step 2: lose the commit record
+    shard = os.path.join(disk.step_dir(root, 3), "rank_0", "__0_0.distcp")
+    with open(shard, "r+b") as f:
+        f.seek(os.path.getsize(shard) // 2)
+        f.write(b"\xde\xad\xbe\xef")
+    os.unlink(os.path.join(disk.step_dir(root, 2), disk.METADATA))
+
+    fresh = _ckpt(tmp_path, f"{run_id}-b", saver="none")
+    with caplog.at_level(logging.WARNING, logger="mxgraph.checkpoint"):
+        got = fresh.restore()
+    assert got.source == "disk" and got.step == 1
+    skipped = dict(fresh.restore_info.skipped)
+    assert "checksum mismatch" in skipped[disk.step_dir(root, 3)]
+    assert "no .metadata" in skipped[disk.step_dir(root, 2)]
+    assert shard in caplog.text and disk.step_dir(root, 2) in caplog.text
+    model2, opt2, sched2 = _tiny()
+    apply_training_state(got.state, model2, opt2, sched2)
+    for a, b in zip(params[1], model2.parameters()):
+        assert torch.equal(a, b)
+    fresh.close()
+
+
+def test_keep_prunes_old_checkpoints(tmp_path, run_id):
+    model, opt, sched = _tiny()
+    ck = _ckpt(tmp_path, run_id, keep=2)
+    for step in range(1, 6):
+        ck.save(step, capture_training_state(model, opt, sched, step), persist=True)
+        ck.wait_persisted()
+    ck.close()
+    assert [s for s, _ in disk.list_steps(str(tmp_path / "ckpt"))] == [5, 4]
+
+
+def test_checkpoint_is_plain_dcp(tmp_path, run_id):
+    """Another tool can read the weights with torch.distributed.checkpoint alone."""
+    import torch.distributed.checkpoint as dcp
+    model, opt, sched = _tiny()
+    ck = _ckpt(tmp_path, run_id)
+    ck.save(7, capture_training_state(model, opt, sched, 7), persist=True)
+    ck.close()
+    target = {f"model/{k}": torch.zeros_like(v) for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled..."
+        dcp.load(target, checkpoint_id=disk.step_dir(str(tmp_path / "ckpt"), 7), no_dist=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(target[f"model/{k}"], v)
