@@ -24,7 +24,7 @@ class Kernel:
     """Triton launch; runs on CPU tensors under the Triton interpreter in tests."""
 
 
-from mxgraph.codegen.kernels import bias_dropout_add, bias_gelu, rmsnorm, rope, swiglu  # noqa: E402
+from mxgraph.codegen.kernels import bias_dropout_add, bias_gelu, gqa, rmsnorm, rope, swiglu  # noqa: E402
 
 KERNELS: dict[str, Kernel] = {}
 
@@ -47,3 +47,5 @@ _register("add_rmsnorm", rmsnorm.add_rmsnorm_reference, rmsnorm.add_rmsnorm_trit
 _register("rmsnorm_backward", rmsnorm.rmsnorm_backward_reference, rmsnorm.rmsnorm_backward_triton)
 _register("rope", rope.rope_reference, rope.rope_triton)
 _register("rope_backward", rope.rope_backward_reference, rope.rope_backward_triton)
+_register("gqa_attention", gqa.gqa_attention_reference, gqa.gqa_attention_triton)
+_register("gqa_attention_backward", gqa.gqa_attention_backward_reference, gqa.gqa_attention_backward_triton)
