@@ -24,7 +24,8 @@ class Kernel:
     """Triton launch; runs on CPU tensors under the Triton interpreter in tests."""
 
 
-from mxgraph.codegen.kernels import bias_dropout_add, bias_gelu, gqa, rmsnorm, rope, swiglu  # noqa: E402
+from mxgraph.codegen.kernels import (  # noqa: E402
+    bias_dropout_add, bias_gelu, gqa, linear_cross_entropy, rmsnorm, rope, swiglu)
 
 KERNELS: dict[str, Kernel] = {}
 
@@ -49,3 +50,7 @@ _register("rope", rope.rope_reference, rope.rope_triton)
 _register("rope_backward", rope.rope_backward_reference, rope.rope_backward_triton)
 _register("gqa_attention", gqa.gqa_attention_reference, gqa.gqa_attention_triton)
 _register("gqa_attention_backward", gqa.gqa_attention_backward_reference, gqa.gqa_attention_backward_triton)
+_register("linear_cross_entropy", linear_cross_entropy.linear_cross_entropy_reference,
+          linear_cross_entropy.linear_cross_entropy_triton)
+_register("linear_cross_entropy_backward", linear_cross_entropy.linear_cross_entropy_backward_reference,
+          linear_cross_entropy.linear_cross_entropy_backward_triton)
