@@ -1,7 +1,11 @@
 """Reference models for mxgraph: Llama, DeepSeek-V3-style MoE, GPT.
 
-``build_model(name, device=..., dtype=..., **overrides)`` builds a preset; every model's
-``forward(tokens, targets)`` returns the scalar mean cross-entropy (plus aux loss if set).
+``build_model(name, device=..., dtype=..., **overrides)`` builds a preset (``PRESETS``,
+``list_presets()``); ``build_from_config(config, ...)`` builds from a config instance
+(``LlamaConfig``, ``MoEConfig``, ``GPTConfig``). Every model has ``.config`` and
+``forward(tokens[B, S], targets[B, S]) -> scalar`` mean cross-entropy in nats per token
+(fp32, plus the MoE aux loss if configured). Module layout: ``embed``, ``layers``
+(an ``nn.ModuleList``), ``norm``, ``lm_head``; see each family's module docstring.
 """
 
 from __future__ import annotations

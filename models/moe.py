@@ -16,7 +16,9 @@ optionally renormalised (``norm_topk_prob``), times ``route_scale``.
 Dispatch is dropless by default: assignments are sorted by expert; with ``expert_impl="loop"``
 per-expert counts become unbacked SymInts when traced (``torch._check`` bounds them), with
 ``"grouped_mm"`` they stay in an offsets tensor fed to the ``models::grouped_mm`` custom op;
-either way one traced graph serves every routing. With ``capacity_factor`` set, each expert takes at most
+either way one traced graph serves every routing. Tracing "loop" with
+``aot_export_joint_with_descriptors`` needs fake inputs from a ``FakeTensorMode`` that has a
+``ShapeEnv`` (a static fake mode cannot hold unbacked SymInts); ``torch.export`` works as is. With ``capacity_factor`` set, each expert takes at most
 ``ceil(T * topk / E * capacity_factor)`` assignments (earlier tokens first, the rest dropped)
 in a fixed-shape [E, C, D] batched GEMM.
 

@@ -48,7 +48,7 @@ def test_backward_finite_grads(name):
 @pytest.mark.parametrize("name", sorted(models.PUBLISHED_PARAMS))
 def test_real_presets_on_meta_match_published(name):
     model = models.build_model(name, device="meta")
-    assert all(p.is_meta for p in model.parameters())
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
     n = models.count_params(model)
     assert abs(n / models.PUBLISHED_PARAMS[name] - 1) < 0.02, (name, n)
 
@@ -298,7 +298,8 @@ def test_moe_aux_loss_adds_to_loss():
 @pytest.mark.parametrize("expert_impl", ["loop", "grouped_mm"])
 def test_moe_export_runs_on_a_new_routing(expert_impl):
     torch.manual_seed(0)
-    model = models.build_model("moe-tiny", n_layers=2, dim=64, expert_impl=expert_impl)
+    model = models.build_model("moe-tiny", n_layers=1, n_dense_layers=0, dim=64,
+                               expert_impl=expert_impl)
     a, b = _batch(256, S=16, seed=1), _batch(256, S=16, seed=2)
     counts_a, counts_b = model.expert_counts(a[0])[0], model.expert_counts(b[0])[0]
     assert not torch.equal(counts_a, counts_b)
@@ -321,7 +322,8 @@ def test_moe_joint_graph_runs_on_a_new_routing(expert_impl):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     torch.manual_seed(0)
-    model = models.build_model("moe-tiny", n_layers=2, dim=64, expert_impl=expert_impl)
+    model = models.build_model("moe-tiny", n_layers=1, n_dense_layers=0, dim=64,
+                               expert_impl=expert_impl)
     a, b = _batch(256, S=16, seed=1), _batch(256, S=16, seed=2)
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fake = tuple(fake_mode.from_tensor(t, static_shapes=True) for t in a)
@@ -352,3 +354,18 @@ def test_moe_joint_graph_runs_on_a_new_routing(expert_impl):
             if isinstance(desc, GradAOTOutput):
                 torch.testing.assert_close(grad, params[desc.grad_of.target].grad,
                                            atol=1e-6, rtol=1e-5)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(heads=st.sampled_from([(2, 1), (4, 2), (4, 4), (6, 3)]), head_dim=st.sampled_from([8, 16]),
+       n_layers=st.integers(1, 2), tie=st.booleans(), S=st.integers(1, 12))
+def test_llama_config_sweep(heads, head_dim, n_layers, tie, S):
+    n_heads, n_kv_heads = heads
+    torch.manual_seed(0)
+    model = models.build_model("llama-tiny", dim=n_heads * head_dim, n_heads=n_heads,
+                               n_kv_heads=n_kv_heads, n_layers=n_layers, tie_embeddings=tie,
+                               ffn_dim=32, max_seq_len=16)
+    loss = model(*_batch(256, S=S))
+    assert abs(loss.item() - math.log(256)) < 0.5
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
