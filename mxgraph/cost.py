@@ -41,8 +41,21 @@ def flop_rule(*packets):
     return register
 
 
+def concrete(dim) -> int:
+    """An int for a dimension. A data-dependent (unbacked) size counts at the upper bound
+    its torch._check calls gave it (worst case for memory), else at 1."""
+    if isinstance(dim, int):
+        return dim
+    try:
+        return int(dim)
+    except Exception:  # noqa: BLE001 - unbacked SymInt: no hint
+        node = dim.node
+        bound = node.shape_env.bound_sympy(node.expr).upper
+        return int(bound) if bound.is_finite else 1
+
+
 def _numel(shape) -> int:
-    return int(math.prod(int(d) for d in shape))
+    return int(math.prod(concrete(d) for d in shape))
 
 
 def schema_arg(node: Node, name: str, default=None):
@@ -82,7 +95,7 @@ def _matmul_flops(node, outs, ins):
     # 2 * (output elements) * (contracted dimension); the contracted dim is the last
     # dim of the first matrix operand.
     a = ins[1] if node.target.overloadpacket in (aten.addmm, aten.baddbmm) else ins[0]
-    return 2 * _numel(outs[0].shape) * int(a.shape[-1])
+    return 2 * _numel(outs[0].shape) * concrete(a.shape[-1])
 
 
 @flop_rule(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention,
@@ -93,7 +106,8 @@ def _attention_flops(node, outs, ins):
     # q [B, H, S, D], k [B, Hkv, S_kv, D], v [B, Hkv, S_kv, Dv]: QK^T and PV, 2 FLOPs per MAC.
     q, k, v = ins[:3]
     batch_heads = _numel(q.shape[:-2])
-    flops = 2 * batch_heads * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    flops = 2 * batch_heads * _numel(q.shape[-2:-1] + k.shape[-2:-1]) * _numel(
+        [concrete(q.shape[-1]) + concrete(v.shape[-1])])
     return int(flops // 2 if schema_arg(node, "is_causal") else flops)
 
 
@@ -106,7 +120,8 @@ def _attention_backward_flops(node, outs, ins):
     # dP and the recomputed P) -> count 2x the forward as Megatron's formula does.
     grad_out, q, k, v = ins[:4]
     batch_heads = _numel(q.shape[:-2])
-    flops = 2 * 2 * batch_heads * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    flops = 4 * batch_heads * _numel(q.shape[-2:-1] + k.shape[-2:-1]) * _numel(
+        [concrete(q.shape[-1]) + concrete(v.shape[-1])])
     return int(flops // 2 if schema_arg(node, "is_causal") else flops)
 
 

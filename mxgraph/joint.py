@@ -17,6 +17,9 @@ from torch._functorch._aot_autograd.descriptors import (
     TangentAOTInput)
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
 from mxgraph.capture import ForwardGraph, Slot
 from mxgraph.errors import TraceError
 
@@ -51,9 +54,14 @@ class _GraphModule(torch.nn.Module):
 def build_joint(forward: ForwardGraph, tensors: list[torch.Tensor], inputs: list) -> JointGraph:
     """Trace forward + backward. `tensors` feed the non-input slots, in slot order."""
     holder = _GraphModule(forward, tensors)
+    # A fake mode with a ShapeEnv lets data-dependent sizes (MoE token counts) stay
+    # symbolic (unbacked) instead of failing; every input shape stays static.
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    fake_inputs = [fake_mode.from_tensor(x, static_shapes=True)
+                   if isinstance(x, torch.Tensor) else x for x in inputs]
     with contextlib.ExitStack() as stack:
         try:
-            joint = aot_export_joint_with_descriptors(stack, holder, tuple(inputs))
+            joint = aot_export_joint_with_descriptors(stack, holder, tuple(fake_inputs))
         except Exception as error:  # noqa: BLE001 - re-raised with context
             raise TraceError(f"cannot derive the backward graph: {type(error).__name__}: "
                              f"{str(error).splitlines()[0] if str(error) else ''}") from error

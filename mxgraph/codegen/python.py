@@ -51,7 +51,7 @@ class CompiledGraph:
         args[tangent] = torch.ones((), dtype=loss_meta.dtype, device=args[0].device)
         with torch.no_grad():
             outputs = self.fn(*args)
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters(remove_duplicate=False))
         for name, grad in zip(self.joint.grad_of, outputs[1:]):
             if grad is None or name is None:
                 continue
