@@ -23,7 +23,8 @@ from models.presets import PRESETS, PUBLISHED_PARAMS, list_presets
 
 FAMILIES: dict[str, type[nn.Module]] = {"llama": Llama, "moe": MoETransformer, "gpt": GPT}
 
-__all__ = ["FAMILIES", "GPT", "GPTConfig", "PRESETS", "PUBLISHED_PARAMS", "Llama", "LlamaConfig", "MoEConfig", "MoETransformer",
+__all__ = ["FAMILIES", "GPT", "GPTConfig", "PRESETS", "PUBLISHED_PARAMS", "Llama", "LlamaConfig",
+           "MoEConfig", "MoETransformer",
            "build_model", "build_from_config", "count_params", "list_presets"]
 
 

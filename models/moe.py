@@ -18,7 +18,8 @@ per-expert counts become unbacked SymInts when traced (``torch._check`` bounds t
 ``"grouped_mm"`` they stay in an offsets tensor fed to the ``models::grouped_mm`` custom op;
 either way one traced graph serves every routing. Tracing "loop" with
 ``aot_export_joint_with_descriptors`` needs fake inputs from a ``FakeTensorMode`` that has a
-``ShapeEnv`` (a static fake mode cannot hold unbacked SymInts); ``torch.export`` works as is. With ``capacity_factor`` set, each expert takes at most
+``ShapeEnv`` (a static fake mode cannot hold unbacked SymInts); ``torch.export`` works as is.
+With ``capacity_factor`` set, each expert takes at most
 ``ceil(T * topk / E * capacity_factor)`` assignments (earlier tokens first, the rest dropped)
 in a fixed-shape [E, C, D] batched GEMM.
 
@@ -120,11 +121,13 @@ class MoEConfig:
         if self.attention == "gqa" and (self.dim % self.n_heads or self.n_heads % self.n_kv_heads):
             raise ValueError("gqa needs dim % n_heads == 0 and n_heads % n_kv_heads == 0")
         if self.n_routed_experts % self.n_groups or not 1 <= self.topk_groups <= self.n_groups:
-            raise ValueError("need n_routed_experts % n_groups == 0 and 1 <= topk_groups <= n_groups")
+            raise ValueError("need n_routed_experts % n_groups == 0 and "
+                             "1 <= topk_groups <= n_groups")
         if self.topk > self.topk_groups * self.n_routed_experts // self.n_groups:
             raise ValueError("topk exceeds the experts in topk_groups groups")
         if self.expert_impl not in ("loop", "grouped_mm"):
-            raise ValueError(f"expert_impl must be 'loop' or 'grouped_mm', got {self.expert_impl!r}")
+            raise ValueError(f"expert_impl must be 'loop' or 'grouped_mm', "
+                             f"got {self.expert_impl!r}")
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ValueError("n_dense_layers must be in [0, n_layers]")
 
@@ -135,7 +138,8 @@ class MLAttention(nn.Module):
     def __init__(self, cfg: MoEConfig):
         super().__init__()
         self.n_heads = H = cfg.n_heads
-        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_dim = self.nope + self.rope_dim
         if cfg.q_lora_rank > 0:
@@ -154,7 +158,8 @@ class MLAttention(nn.Module):
         B, S, _ = x_BSD.shape
         H = self.n_heads
         q = self.wq_b(self.q_norm(self.wq_a(x_BSD))) if hasattr(self, "wq_a") else self.wq(x_BSD)
-        q_nope, q_pe = q.view(B, S, H, self.nope + self.rope_dim).split([self.nope, self.rope_dim], -1)
+        q = q.view(B, S, H, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], -1)
         q_pe = apply_rope(q_pe, cos, sin)
         kv, k_pe = self.wkv_a(x_BSD).split([self.kv_lora_rank, self.rope_dim], -1)
         k_pe = apply_rope(k_pe.unsqueeze(2), cos, sin)                     # [B, S, 1, rope]
@@ -196,7 +201,7 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed SwiGLU experts as stacked weights: ``w_gate``/``w_up`` [E, F, D], ``w_down`` [E, D, F]."""
+    """Routed SwiGLU experts, stacked: ``w_gate``/``w_up`` [E, F, D], ``w_down`` [E, D, F]."""
 
     def __init__(self, n_experts: int, dim: int, ffn_dim: int):
         super().__init__()
@@ -212,7 +217,8 @@ class Experts(nn.Module):
 
     def batched(self, x_ECD: torch.Tensor) -> torch.Tensor:
         """All experts on a capacity-padded [E, C, D] buffer (batched GEMM)."""
-        h = F.silu(torch.bmm(x_ECD, self.w_gate.transpose(1, 2))) * torch.bmm(x_ECD, self.w_up.transpose(1, 2))
+        gate = torch.bmm(x_ECD, self.w_gate.transpose(1, 2))
+        h = F.silu(gate) * torch.bmm(x_ECD, self.w_up.transpose(1, 2))
         return torch.bmm(h, self.w_down.transpose(1, 2))
 
 
@@ -359,7 +365,8 @@ class MoEBlock(nn.Module):
             y = dispatch_dropless(x, weights, expert_ids, self.experts)
         if self.shared is not None:
             y = y + self.shared(x)
-        aux = self._aux_loss(scores, expert_ids) if self.cfg.aux_loss_coef > 0 else scores.new_zeros(())
+        aux = (self._aux_loss(scores, expert_ids) if self.cfg.aux_loss_coef > 0
+               else scores.new_zeros(()))
         return y.view(B, S, D), aux
 
     def _aux_loss(self, scores_TE: torch.Tensor, expert_ids_TK: torch.Tensor) -> torch.Tensor:
@@ -388,12 +395,14 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, layer_id: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = MLAttention(cfg) if cfg.attention == "mla" else GQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads)
+        self.attn = (MLAttention(cfg) if cfg.attention == "mla"
+                     else GQAttention(cfg.dim, cfg.n_heads, cfg.n_kv_heads))
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.is_moe = layer_id >= cfg.n_dense_layers
         self.mlp = MoEBlock(cfg) if self.is_moe else SwiGLU(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = x + self.attn(self.attn_norm(x), cos, sin)
         if not self.is_moe:
             return x + self.mlp(self.mlp_norm(x)), None
