@@ -25,7 +25,7 @@ class Kernel:
 
 
 from mxgraph.codegen.kernels import (  # noqa: E402
-    bias_dropout_add, bias_gelu, gqa, linear_cross_entropy, rmsnorm, rope, swiglu)
+    bias_dropout_add, bias_gelu, gqa, linear_cross_entropy, moe_permute, rmsnorm, rope, swiglu)
 
 KERNELS: dict[str, Kernel] = {}
 
@@ -54,3 +54,9 @@ _register("linear_cross_entropy", linear_cross_entropy.linear_cross_entropy_refe
           linear_cross_entropy.linear_cross_entropy_triton)
 _register("linear_cross_entropy_backward", linear_cross_entropy.linear_cross_entropy_backward_reference,
           linear_cross_entropy.linear_cross_entropy_backward_triton)
+_register("moe_permute", moe_permute.moe_permute_reference, moe_permute.moe_permute_triton)
+_register("moe_permute_capacity", moe_permute.moe_permute_capacity_reference, moe_permute.moe_permute_capacity_triton)
+_register("moe_permute_backward", moe_permute.moe_permute_backward_reference, moe_permute.moe_permute_backward_triton)
+_register("moe_unpermute", moe_permute.moe_unpermute_reference, moe_permute.moe_unpermute_triton)
+_register("moe_unpermute_backward", moe_permute.moe_unpermute_backward_reference,
+          moe_permute.moe_unpermute_backward_triton)

@@ -104,7 +104,7 @@ def moe_unpermute_backward_reference(grad_out: Tensor, y_rows: Tensor, row_map: 
     topk = probs.shape[1]
     keep = row_map >= 0
     g = grad_out.float().repeat_interleave(topk, 0)  # [T*K, D]
-    dy = _scatter_reference((g * probs.float().reshape(-1, 1)).to(y_rows.dtype), row_map, y_rows.shape[0], topk)
+    dy = _scatter_reference((g * probs.float().reshape(-1, 1)).to(y_rows.dtype), row_map, y_rows.shape[0], 1)
     dprobs = (g * y_rows.float()[row_map.clamp(min=0)]).sum(-1) * keep
     return dy, dprobs.view(probs.shape).to(probs.dtype)
 
@@ -288,10 +288,9 @@ def _permute_setup(ctx, inputs, output):
 
 def _permute_bwd(ctx, grad_rows, _g_map, _g_counts):
     (row_map,) = ctx.saved_tensors
-    grad_x = torch.ops.mxgraph.moe_permute_backward(grad_rows.reshape(row_map.shape[0], -1)
-                                                    if grad_rows.dim() == 2 else
-                                                    grad_rows.reshape(-1, grad_rows.shape[-1]), row_map, ctx.topk)
-    return (grad_x, None, None) if len(ctx.needs_input_grad) == 3 else (grad_x, None, None, None)
+    # dropless grads are [T*K, D]; capacity grads [E, C, D] index the flattened rows
+    grad_x = torch.ops.mxgraph.moe_permute_backward(grad_rows.reshape(-1, grad_rows.shape[-1]), row_map, ctx.topk)
+    return (grad_x,) + (None,) * (len(ctx.needs_input_grad) - 1)
 
 
 moe_permute.register_autograd(_permute_bwd, setup_context=_permute_setup)
