@@ -117,3 +117,10 @@ def test_exports(tmp_path):
     tl.to_png(str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     json.dumps(tl.summary())
+
+
+def test_time_grid():
+    text = simulate(build_schedule("1f1b", 2, 2), UNIT).to_text()
+    rows = text.splitlines()
+    assert rows[1].split()[2:] == ["0F0", "0F1", ".", ".", "0BW0", "0BW0", ".", "0BW1", "0BW1"]
+    assert rows[2].split()[2:] == [".", "1F0", "1BW0", "1BW0", "1F1", "1BW1", "1BW1", ".", "."]

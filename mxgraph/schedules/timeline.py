@@ -71,6 +71,20 @@ class Timeline:
             "param_copies_per_rank": [self.param_copies[r] for r in sorted(self.busy)],
         }
 
+    def to_text(self, *, slot: float = 1.0) -> str:
+        """Ranks x time slots of width `slot`: each cell shows the compute action running at
+        the start of the slot ('.' when idle). Readable with unit costs."""
+        num_slots = int(round(self.total_time / slot))
+        cells = {r: ["."] * num_slots for r in self.busy}
+        for e in self.events:
+            if e.action.is_compute:
+                for k in range(int(round(e.start / slot)), int(round(e.end / slot))):
+                    cells[e.rank][k] = str(e.action)
+        width = max([len(c) for row in cells.values() for c in row] + [1])
+        lines = ["time    " + " ".join(f"{k:>{width}}" for k in range(num_slots))]
+        lines += [f" rank {r:<2} " + " ".join(f"{c:>{width}}" for c in cells[r]) for r in sorted(cells)]
+        return "\n".join(lines)
+
     def to_chrome_trace(self, path: str, *, us_per_unit: float = 1.0) -> None:
         """Chrome / Perfetto trace: one thread per rank, one complete event per action."""
         trace = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
@@ -96,9 +110,12 @@ class Timeline:
         compute = [e for e in self.events if e.action.is_compute]
         fig, ax = plt.subplots(figsize=(min(4 + self.total_time * 0.15, 40), 1 + 0.45 * num_ranks))
         label = len(compute) <= 600
+        first_stage = {r: min(self.schedule.stages_of(r), default=0) for r in self.busy}
         for e in compute:
             y = num_ranks - 1 - e.rank
-            ax.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.8),
+            # a rank's later stages (interleaved chunks, DualPipeV's way back) are lighter
+            alpha = 1.0 if e.action.stage == first_stage[e.rank] else 0.65
+            ax.broken_barh([(e.start, e.end - e.start)], (y - 0.4, 0.8), alpha=alpha,
                            facecolors=COLOURS[e.action.kind], edgecolors="white", linewidth=0.5)
             if label:
                 text = "/".join(str(p.microbatch) for p in e.action.compute_parts())
