@@ -25,7 +25,7 @@ class Kernel:
 
 
 from mxgraph.codegen.kernels import (  # noqa: E402
-    bias_dropout_add, bias_gelu, gqa, linear_cross_entropy, moe_permute, rmsnorm, rope, swiglu)
+    bias_dropout_add, bias_gelu, gqa, linear_cross_entropy, moe_permute, moe_router, rmsnorm, rope, swiglu)
 
 KERNELS: dict[str, Kernel] = {}
 
@@ -60,3 +60,5 @@ _register("moe_permute_backward", moe_permute.moe_permute_backward_reference, mo
 _register("moe_unpermute", moe_permute.moe_unpermute_reference, moe_permute.moe_unpermute_triton)
 _register("moe_unpermute_backward", moe_permute.moe_unpermute_backward_reference,
           moe_permute.moe_unpermute_backward_triton)
+_register("moe_router", moe_router.moe_router_reference, moe_router.moe_router_triton)
+_register("moe_router_backward", moe_router.moe_router_backward_reference, moe_router.moe_router_backward_triton)
