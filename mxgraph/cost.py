@@ -83,9 +83,11 @@ def value_bytes(node: Node) -> int:
 
 
 def _arg_tensors(node: Node) -> list[torch.Tensor]:
+    """Tensor arguments in argument order (an input passed twice counts twice)."""
     found = []
-    for arg in node.all_input_nodes:
-        found += tensor_meta(arg.meta.get("val"))
+    for arg in torch.utils._pytree.tree_leaves((node.args, node.kwargs)):
+        if isinstance(arg, Node):
+            found += tensor_meta(arg.meta.get("val"))
     return found
 
 

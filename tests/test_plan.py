@@ -1,0 +1,76 @@
+"""Plan: validation messages, TOML round trip, and refusal of unbuilt capabilities."""
+import pytest
+
+import mxgraph as mx
+from mxgraph.plan import NOT_BUILT, Plan, check_divides, require_built
+from mxgraph.errors import PlanError
+
+
+def test_toml_round_trip(tmp_path):
+    plan = Plan(tp=2, pp=2, vpp=2, schedule="interleaved", recompute="norm,act",
+                recompute_stages={0: "full"}, fusion="swiglu,rope",
+                moe={"capacity_factor": 1.25}, disable_passes=("dead_code",))
+    path = tmp_path / "plan.toml"
+    path.write_text(plan.to_toml())
+    assert Plan.from_toml(path) == plan
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(tp=0), ["tp=0", "positive"]),
+    (dict(schedule="zb"), ["schedule", "zbh1"]),
+    (dict(vpp=2), ["vpp=2", "interleaved"]),
+    (dict(sequence_parallel=True), ["sequence_parallel", "tp > 1"]),
+    (dict(recompute="norm,everything"), ["recompute", "everything", "norm"]),
+    (dict(offload="kv"), ["offload", "'kv'"]),
+    (dict(fusion="swigl"), ["fusion", "swiglu"]),
+])
+def test_bad_fields_name_the_field_and_a_fix(kwargs, words):
+    with pytest.raises(PlanError) as info:
+        Plan(**kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_world_size_must_fit_axes():
+    with pytest.raises(PlanError, match="not divisible by tp\\*pp\\*cp = 4"):
+        Plan(tp=2, pp=2).validate(world_size=6)
+    with pytest.raises(PlanError, match="set dp=2"):
+        Plan(tp=2, dp=3).validate(world_size=4)
+    assert Plan(tp=2).resolve_dp(8) == 4
+
+
+def test_divisibility_lists_choices():
+    with pytest.raises(PlanError, match=r"tp=3 does not divide num_heads=8; choose tp in \{1, 2, 4, 8\}"):
+        check_divides("tp", 3, "num_heads", 8)
+
+
+def test_unknown_toml_field(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text("tp = 1\ntensor_parallel = 2\n")
+    with pytest.raises(PlanError, match="tensor_parallel"):
+        Plan.from_toml(path)
+
+
+@pytest.mark.parametrize("name", [entry[0] for entry in NOT_BUILT])
+def test_unbuilt_capabilities_are_refused_by_name(name):
+    plans = {
+        "tp": Plan(tp=2), "pp": Plan(pp=2), "vpp": Plan(vpp=2, schedule="interleaved"),
+        "ep": Plan(ep=2), "cp": Plan(cp=2), "dp": Plan(dp=2), "zero1": Plan(zero1=True),
+        "micro_batches": Plan(micro_batches=2), "layout": Plan(layout="E t | t L"),
+        "empty_layers": Plan(empty_layers=True), "recompute": Plan(recompute="norm"),
+        "memory_budget": Plan(memory_budget=10), "offload": Plan(offload="all"),
+        "fusion": Plan(fusion=True), "overlap": Plan(overlap=True),
+        "moe.capacity_factor": Plan(moe={"capacity_factor": 1.0}),
+        "moe.hot_expert_replication": Plan(moe={"hot_expert_replication": True}),
+        "moe.adaptive_recompute_threshold": Plan(moe={"adaptive_recompute_threshold": 8}),
+        "moe.batched_gemm": Plan(moe={"batched_gemm": True}),
+        "moe.a2a_overlap": Plan(moe={"a2a_overlap": True}),
+    }
+    with pytest.raises(PlanError, match=f"^{name}: .* not built yet"):
+        require_built(plans[name])
+
+
+def test_compile_refuses_unknown_pass_name():
+    import torch
+    with pytest.raises(PlanError, match="unknown pass name"):
+        mx.compile(torch.nn.Linear(2, 2), Plan(disable_passes=("no_such_pass",)))

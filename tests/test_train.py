@@ -1,0 +1,83 @@
+"""Built-in data and the training loop (a few steps; the full run is the README command)."""
+import numpy as np
+import pytest
+import torch
+
+import models
+import mxgraph as mx
+from mxgraph.cli import main as cli_main
+from mxgraph.data import Batches, load_tokens, split, stdlib_bytes
+from mxgraph.errors import TraceError
+from mxgraph.train import TrainConfig, train
+
+
+def test_stdlib_data_is_fixed_and_split():
+    a, b = stdlib_bytes(200_000), stdlib_bytes(200_000)
+    assert a.dtype == np.uint8 and len(a) == 200_000 and np.array_equal(a, b)
+    tr, va = split(a)
+    assert len(va) == 10_000 and np.array_equal(np.concatenate([tr, va]), a)
+
+
+def test_batches_are_shifted_windows_and_resumable():
+    tokens = np.arange(1000) % 256
+    batches = Batches(tokens, 4, 16, seed=1)
+    x, y = batches.next()
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    state = batches.state_dict()
+    after = batches.next()
+    batches.load_state_dict(state)
+    assert all(torch.equal(p, q) for p, q in zip(after, batches.next()))
+
+
+def test_user_npy_and_text(tmp_path):
+    np.save(tmp_path / "ids.npy", np.arange(50, dtype=np.int32))
+    assert load_tokens(str(tmp_path / "ids.npy")).tolist() == list(range(50))
+    (tmp_path / "t.txt").write_bytes(b"hello")
+    assert load_tokens(str(tmp_path / "t.txt")).tolist() == list(b"hello")
+    np.save(tmp_path / "bad.npy", np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="1-D integer"):
+        load_tokens(str(tmp_path / "bad.npy"))
+
+
+def test_short_training_lowers_loss_same_as_eager():
+    cfg = TrainConfig(steps=8, batch_size=4, seq_len=32, warmup=2, val_batches=2)
+    compiled = train(cfg, progress=False)
+    eager = train(TrainConfig(**{**cfg.__dict__, "eager": True}), progress=False)
+    assert compiled["val_loss"] < np.log(256)
+    assert abs(compiled["train_loss"] - eager["train_loss"]) <= 1e-4 * eager["train_loss"]
+
+
+def test_cli_help_and_run(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    assert "--batch-size" in capsys.readouterr().out
+    assert cli_main(["train", "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                     "--val-batches", "1", "--no-progress"]) == 0
+    assert "validation loss" in capsys.readouterr().out
+
+
+def test_untraceable_model_names_module_and_line():
+    class Gate(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # a Python branch on a tensor value
+                return x * 2
+            return x
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.gate = Gate()
+
+        def forward(self, x):
+            return self.gate(self.lin(x)).sum()
+
+    with pytest.raises(TraceError) as info:
+        mx.compile(Net())(torch.randn(2, 4))
+    message = str(info.value)
+    assert "gate (Gate)" in message and "test_train.py" in message and "x.sum() > 0" in message
+
+
+def test_forward_must_return_loss():
+    with pytest.raises(TraceError, match="scalar loss"):
+        mx.compile(torch.nn.Linear(4, 4))(torch.randn(2, 4))
