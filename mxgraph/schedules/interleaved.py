@@ -3,7 +3,9 @@
 Stage s = chunk * p + r lives on rank r = s % p. Virtual microbatches are taken in
 groups of p: the k-th forward of a rank runs chunk (k // p) % v on microbatch
 (k // (p*v)) * p + k % p; backwards visit chunks in reverse (v-1-chunk). Rank r warms up
-with (p-1-r)*2 + (v-1)*p forwards, then alternates F and BW, then drains.
+with (p-1-r)*2 + (v-1)*p forwards, then alternates F and BW, then drains. With v = 1 the
+warm-up is 1F1B's p-1-r and the order is exactly 1F1B's. For v >= 2 the order equals
+torch.distributed.pipelining's ScheduleInterleaved1F1B (tests compare them).
 """
 
 from mxgraph.schedules.action import BW, F, Action
@@ -29,7 +31,7 @@ def interleaved(num_ranks: int, num_microbatches: int, vpp: int) -> Schedule:
             chunk, mb = _virtual(k, p, v, backward=kind == BW)
             return Action(chunk * p + r, kind, mb)
 
-        warmup = min((p - 1 - r) * 2 + (v - 1) * p, total)
+        warmup = min((p - 1 - r) * 2 + (v - 1) * p if v > 1 else p - 1 - r, total)
         order = [act(k, F) for k in range(warmup)]
         for i in range(total - warmup):
             order += [act(warmup + i, F), act(i, BW)]
