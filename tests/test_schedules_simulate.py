@@ -17,6 +17,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from mxgraph.errors import PlanError
 from mxgraph.schedules import Costs, build_schedule, simulate
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
@@ -103,6 +104,15 @@ def test_comm_latency_and_per_stage_costs():
     assert slow.of(one.actions[2][1]) == 3.0  # 2F0
     assert simulate(one, slow).total_time == pytest.approx((p - 1) + 3 + (p - 1) * 2 + (1 + 2))
     assert Costs(bw=1.5).of(build_schedule("gpipe", 1, 1).actions[0][1]) == 1.5
+
+
+def test_bad_costs():
+    with pytest.raises(PlanError, match="cost f must be finite and >= 0"):
+        Costs(f=-1)
+    with pytest.raises(PlanError, match="valid kinds: F, B, W, BW"):
+        Costs(per_stage={0: {"X": 1.0}})
+    with pytest.raises(PlanError, match="w_retained"):
+        simulate(build_schedule("1f1b", 2, 2), UNIT, w_retained=2.0)
 
 
 def test_exports(tmp_path):

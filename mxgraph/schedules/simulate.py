@@ -54,6 +54,18 @@ class Costs:
     """Overrides by stage: {stage: {"F": .., "B": .., "W": .., "BW": ..}}; missing keys
     fall back to the fields above (BW to that stage's B + W)."""
 
+    def __post_init__(self) -> None:
+        values = {"f": self.f, "b": self.b, "w": self.w, "bw": self.bw, "send": self.send,
+                  "recv": self.recv, "comm": self.comm, "overlap_factor": self.overlap_factor}
+        values.update({f"per_stage[{s}][{k!r}]": v for s, d in self.per_stage.items() for k, v in d.items()})
+        for name, value in values.items():
+            if value is not None and not (0.0 <= value < float("inf")):
+                raise PlanError(f"cost {name} must be finite and >= 0, got {value}")
+        for stage, d in self.per_stage.items():
+            bad = set(d) - {F, B, W, BW}
+            if bad:
+                raise PlanError(f"per_stage[{stage}] has kinds {sorted(bad)}; valid kinds: F, B, W, BW")
+
     def of(self, action: Action) -> float:
         kind = action.kind
         if kind == OVERLAP_F_B:
