@@ -1,0 +1,130 @@
+"""Eager vs torch.compile (inductor) vs mxgraph.compile on the CPU, side by side.
+
+For each model: compile time (first step minus a warm step), median step time
+(forward + backward, fill .grad), and peak resident memory of the timed steps above the
+resident memory before them (Linux VmHWM after resetting it). Each (model, runner) pair
+runs in its own subprocess so memory and caches do not leak between them.
+
+    python benchmarks/bench_compile.py [--models llama-tiny,llama-20m] [--steps 10]
+        [--batch-size 8] [--seq-len 256] [--out bench_results/compile.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RUNNERS = ("eager", "inductor", "mxgraph")
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: int) -> dict:
+    """Run in this process: build, compile, time; returns one result row."""
+    import torch
+
+    import models
+    import mxgraph
+
+    torch.manual_seed(0)
+    model = models.build_model(model_name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=g)
+    y = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=g)
+    if runner == "eager":
+        def step():
+            model(x, y).backward()
+    elif runner == "inductor":
+        compiled = torch.compile(model)
+
+        def step():
+            compiled(x, y).backward()
+    else:
+        compiled = mxgraph.compile(model)
+
+        def step():
+            compiled(x, y)
+    start = time.perf_counter()
+    step()
+    first = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    step()
+    warm = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    base = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak (VmHWM) to now
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+    peak = _status_kib("VmHWM")
+    return {"model": model_name, "runner": runner,
+            "params": sum(p.numel() for p in model.parameters()),
+            "compile_s": max(0.0, first - warm), "step_ms": statistics.median(times) * 1e3,
+            "peak_mib": max(0, peak - base) / 1024}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="llama-tiny,llama-20m")
+    parser.add_argument("--runners", default=",".join(RUNNERS))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per runner")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--out", default="bench_results/compile.json")
+    parser.add_argument("--one", nargs=2, metavar=("MODEL", "RUNNER"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        row = measure(*args.one, args.steps, args.batch_size, args.seq_len)
+        print("ROW " + json.dumps(row))
+        return 0
+    rows = []
+    for model_name in args.models.split(","):
+        for runner in args.runners.split(","):
+            command = [sys.executable, __file__, "--one", model_name, runner,
+                       "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+                       "--seq-len", str(args.seq_len)]
+            print(f"running {model_name} / {runner} ...", file=sys.stderr, flush=True)
+            result = subprocess.run(command, capture_output=True, text=True)
+            lines = [l for l in result.stdout.splitlines() if l.startswith("ROW ")]
+            if result.returncode or not lines:
+                print(result.stderr[-2000:], file=sys.stderr)
+                rows.append({"model": model_name, "runner": runner, "error": True})
+                continue
+            rows.append(json.loads(lines[0][4:]))
+    print_table(rows)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"batch_size": args.batch_size, "seq_len":
+                                          args.seq_len, "rows": rows}, indent=2))
+    return 0
+
+
+def print_table(rows) -> None:
+    eager = {r["model"]: r for r in rows if r["runner"] == "eager" and "error" not in r}
+    print(f"{'model':<12} {'runner':<9} {'params':>9} {'compile s':>9} {'step ms':>9} "
+          f"{'vs eager':>9} {'peak MiB':>9}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:<12} {r['runner']:<9} failed")
+            continue
+        ratio = eager[r["model"]]["step_ms"] / r["step_ms"] if r["model"] in eager else 0
+        print(f"{r['model']:<12} {r['runner']:<9} {r['params'] / 1e6:>8.2f}M "
+              f"{r['compile_s']:>9.2f} {r['step_ms']:>9.1f} {ratio:>8.2f}x "
+              f"{r['peak_mib']:>9.1f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
