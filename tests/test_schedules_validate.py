@@ -95,3 +95,14 @@ def test_error_grid_window_is_short():
     with pytest.raises(ScheduleError) as err:
         validate(broken)
     assert len(str(err.value).splitlines()) < 12
+
+
+def test_blocking_sends_only_gpipe_survives():
+    """With rendezvous sends (no isend, no batching) the steady-state 1F1B exchange between
+    neighbours deadlocks: the executor must post sends asynchronously."""
+    validate(build_schedule("gpipe", 4, 8), blocking_sends=True)
+    validate(build_schedule("1f1b", 4, 8))
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 step 7 waits in 0SEND_F3 for 1RECV_F3"):
+        validate(build_schedule("1f1b", 4, 8), blocking_sends=True)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(build_schedule("dualpipev", 2, 4), blocking_sends=True)

@@ -8,7 +8,9 @@ bracketed):
 3. every message the placement needs (see `add_comm_actions`) is listed exactly once, on
    the right ranks, and no other message is;
 4. running the ranks in order, with sends that never block (buffered, like `isend`) and
-   receives that block until the matching send has run (like `irecv(...).wait()`):
+   receives that block until the matching send has run (like `irecv(...).wait()`), or,
+   with `blocking_sends=True`, sends that also wait for their receive to be reached
+   (rendezvous, like a blocking `dist.send` with no batching):
    - F of stage s runs after F of s-1 (same rank) or after its RECV_F (other rank);
    - B/BW of stage s runs after F of s and after B of s+1 (or its RECV_B); the loss stage's
      B needs only its F; W runs after its B; a SEND runs after the compute it sends;
@@ -57,13 +59,18 @@ def expected_comms(schedule: Schedule) -> dict[Action, int]:
     return out
 
 
-def _matching_send(recv: Action) -> Action:
-    if recv.kind == RECV_F:
-        return Action(recv.stage - 1, SEND_F, recv.microbatch)
-    return Action(recv.stage + 1, SEND_B, recv.microbatch)
+def _partner(comm: Action) -> Action:
+    """The other end of a message: SEND_F s <-> RECV_F s+1, SEND_B s <-> RECV_B s-1."""
+    step, kind = {SEND_F: (1, RECV_F), RECV_F: (-1, SEND_F), SEND_B: (-1, RECV_B), RECV_B: (1, SEND_B)}[comm.kind]
+    return Action(comm.stage + step, kind, comm.microbatch)
 
 
-def validate(schedule: Schedule, *, max_in_flight: int | Mapping[int, int] | None = None) -> dict[int, int]:
+def _key(a: Action) -> tuple[str, int, int]:
+    return (a.kind, a.stage, a.microbatch)
+
+
+def validate(schedule: Schedule, *, max_in_flight: int | Mapping[int, int] | None = None,
+             blocking_sends: bool = False) -> dict[int, int]:
     """Raise ScheduleError if `schedule` is wrong; return peak in-flight microbatches per rank
     (stage-microbatches with F done and B/BW not yet done)."""
     sched, acts = schedule, schedule.actions
@@ -120,7 +127,8 @@ def validate(schedule: Schedule, *, max_in_flight: int | Mapping[int, int] | Non
     pos = {r: 0 for r in ranks}
     in_flight = {r: 0 for r in ranks}
     peak = {r: 0 for r in ranks}
-    waiting: dict[tuple[str, int, int], list[int]] = {}  # send key -> blocked ranks
+    waiting: dict[tuple[str, int, int], list[int]] = {}  # send key -> ranks blocked on its recv
+    parked: dict[tuple[str, int, int], int] = {}  # blocking_sends: comm key -> rank stopped at it
     ready = list(ranks)
 
     def need(r: int, i: int, a: Action, key: tuple[str, int, int], why: str) -> None:
@@ -138,17 +146,25 @@ def validate(schedule: Schedule, *, max_in_flight: int | Mapping[int, int] | Non
         seq = acts.get(r, [])
         while pos[r] < len(seq):
             i, a = pos[r], seq[pos[r]]
-            if a.kind in (RECV_F, RECV_B):
-                send = _matching_send(a)
-                skey = (send.kind, send.stage, send.microbatch)
-                if skey not in done:
-                    waiting.setdefault(skey, []).append(r)
-                    break
-            elif a.kind == SEND_F:
+            if a.kind == SEND_F:
                 need(r, i, a, (F, a.stage, a.microbatch), "sends the output of")
             elif a.kind == SEND_B:
                 bkey = (BW if (BW, a.stage, a.microbatch) in where else B, a.stage, a.microbatch)
                 need(r, i, a, bkey, "sends the gradient of")
+            if a.is_comm and blocking_sends:
+                other = _key(_partner(a))
+                if other not in parked:  # the other end is not there yet: stop here
+                    parked[_key(a)] = r
+                    break
+                peer = parked.pop(other)  # both ends meet: the message completes
+                done.add(other)
+                pos[peer] += 1
+                ready.append(peer)
+            elif a.kind in (RECV_F, RECV_B):
+                skey = _key(_partner(a))
+                if skey not in done:
+                    waiting.setdefault(skey, []).append(r)
+                    break
             for p in a.compute_parts():
                 s, m = p.stage, p.microbatch
                 if p.kind == F and s > 0:
@@ -181,8 +197,8 @@ def validate(schedule: Schedule, *, max_in_flight: int | Mapping[int, int] | Non
         lines = []
         for r in stuck:
             a = acts[r][pos[r]]
-            send = _matching_send(a)
-            wr, wi = where[(send.kind, send.stage, send.microbatch)]
-            lines.append(f"rank {r} step {pos[r]} waits in {a} for {send} (rank {wr} step {wi})")
+            other = _partner(a)
+            wr, wi = where[_key(other)]
+            lines.append(f"rank {r} step {pos[r]} waits in {a} for {other} (rank {wr} step {wi})")
         raise ScheduleError("deadlock: " + "; ".join(lines), sched, stuck[0], pos[stuck[0]])
     return peak
