@@ -11,6 +11,9 @@ from mxgraph.schedules.action import (
     Action, parse_action,
 )
 from mxgraph.schedules.build import SCHEDULES, build_schedule
+from mxgraph.schedules.layout import (
+    balance_layers, format_layout, pad_empty_layers, parse_layout, slots_to_layout, stage_costs,
+)
 from mxgraph.schedules.schedule import Schedule, add_comm_actions, format_grid, schedule_from_text
 from mxgraph.schedules.simulate import Costs, simulate
 from mxgraph.schedules.timeline import Timeline
@@ -21,4 +24,5 @@ __all__ = [
     "build_schedule", "SCHEDULES", "validate", "ScheduleError", "Costs", "simulate", "Timeline",
     "F", "B", "W", "BW", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "OVERLAP_F_B",
     "KINDS", "COMPUTE_KINDS", "COMM_KINDS",
+    "parse_layout", "format_layout", "balance_layers", "pad_empty_layers", "slots_to_layout", "stage_costs",
 ]
