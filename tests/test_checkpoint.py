@@ -37,6 +37,8 @@ def run_id():
     rid = f"test-{uuid.uuid4().hex[:10]}"
     yield rid
     left = glob.glob(f"/dev/shm/{segment_prefix(rid)}*")
+    for path in left:
+        os.unlink(path)
     assert not left, f"/dev/shm leftovers: {left}"
 
 
@@ -56,9 +58,11 @@ def test_memory_restore_continues_bitwise(tmp_path, run_id):
     expected = [p.detach().clone() for p in model.parameters()]
 
     second = _ckpt(tmp_path, run_id, persist_every=1000)  # a restarted process, same run
-    restored = second.restore()
-    assert restored is not None and restored.source == "memory" and restored.step == 3
     model2, opt2, sched2 = _tiny()
+    _train(model2, opt2, sched2, 1)  # different values everywhere, state tensors exist
+    restored = second.restore(into=capture_training_state(model2, opt2, sched2))
+    assert restored is not None and restored.source == "memory" and restored.step == 3
+    assert restored.state["model"]["0.weight"].data_ptr() == model2[0].weight.data_ptr()
     assert apply_training_state(restored.state, model2, opt2, sched2) == 3
     assert restored.state["plan"] == {"dp": 1}
     _train(model2, opt2, sched2, 3)
@@ -153,3 +157,19 @@ def test_checkpoint_is_plain_dcp(tmp_path, run_id):
         dcp.load(target, checkpoint_id=disk.step_dir(str(tmp_path / "ckpt"), 7), no_dist=True)
     for k, v in model.state_dict().items():
         assert torch.equal(target[f"model/{k}"], v)
+
+
+def test_step_resaved_after_restart_replaces_the_lost_attempt(tmp_path, run_id):
+    """A step persisted by a lost attempt is replaced, never mixed, when saved again."""
+    model, opt, sched = _tiny()
+    lost = _ckpt(tmp_path, run_id)
+    lost.save(5, capture_training_state(model, opt, sched, "lost"), persist=True)
+    lost.close()
+    again = _ckpt(tmp_path, f"{run_id}-b")
+    assert again.incarnation != lost.incarnation
+    again.save(5, capture_training_state(model, opt, sched, "new"), persist=True)
+    again.close()
+    fresh = _ckpt(tmp_path, f"{run_id}-c", saver="none")
+    got = fresh.restore()
+    fresh.close()
+    assert got.step == 5 and got.state["rank_local"]["data_position"] == "new"

@@ -21,9 +21,9 @@ import atexit
 import dataclasses
 import logging
 import os
-import random
 import threading
 import time
+import uuid
 from typing import Any, NamedTuple
 
 import torch
@@ -31,10 +31,16 @@ import torch.distributed as dist
 
 from mxgraph.runtime import checkpoint_disk as disk
 from mxgraph.runtime import saver as saver_mod
+from mxgraph.runtime.checkpoint_state import apply_rng, apply_training_state, capture_rng, \
+    capture_training_state, init_restartable_process_group
 from mxgraph.runtime.shm import COMPLETE, EMPTY, SHM_DIR, ShmSlot, SnapshotMeta, flatten_state, \
     layout, list_segments, slot_path, unflatten_state, unlink_segments
 
 logger = logging.getLogger("mxgraph.checkpoint")
+
+__all__ = ["FlashCheckpointer", "RestoreInfo", "Restored", "SaveResult", "apply_rng",
+           "apply_training_state", "capture_rng", "capture_training_state", "default_run_id",
+           "init_restartable_process_group"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,19 +67,6 @@ class RestoreInfo:
     skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (path, reason)
     resharded: bool = False  # saved at another world size; rank-local state is borrowed
     seconds: float = 0.0
-
-
-def init_restartable_process_group(backend: str = "gloo", **kwargs: Any) -> None:
-    """`dist.init_process_group` that survives `torchrun --max-restarts`.
-
-    torch 2.13's torchrun keeps one store across restarts, so a restarted gloo group reads
-    the dead attempt's addresses ("Connection refused" in connectFullMesh); a store prefix
-    per attempt (TORCHELASTIC_RESTART_COUNT) keeps attempts apart.
-    """
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store, rank, world_size = next(dist.rendezvous("env://"))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"/mxgraph/attempt_{attempt}", store),
-                            rank=rank, world_size=world_size, **kwargs)
 
 
 def default_run_id() -> str:
@@ -118,8 +111,13 @@ class FlashCheckpointer:
 
         if saver == "process" and self.local_rank == 0:
             self._ensure_saver(discard_orphans=True)
+        # One id per (re)start, agreed by all ranks: a step re-saved after a restart replaces
+        # the parts the lost attempt wrote instead of mixing with them.
+        box = [uuid.uuid4().hex[:12]]
         if self.distributed:
             dist.barrier(group=group)  # no rank opens its slots before orphans are gone
+            dist.broadcast_object_list(box, src=0, group=group)
+        self.incarnation = box[0]
         self.slots = [ShmSlot(slot_path(run_id, rank, i, shm_dir), create=True)
                       for i in range(num_slots)]
         for s in self.slots:
@@ -198,7 +196,7 @@ class FlashCheckpointer:
         try:
             skeleton, tensors = flatten_state(state, self.rank)
             meta = SnapshotMeta(step, self.seq, self.rank, self.world_size, skeleton,
-                                layout(tensors))
+                                layout(tensors), self.incarnation)
             nbytes = slot.write(meta, [t for _, t in tensors], persist=persist,
                                 owner_pid=os.getpid())
             self.seq += 1
@@ -241,7 +239,13 @@ class FlashCheckpointer:
         common = set.intersection(*[{int(x) for x in r.cpu() if x >= 0} for r in rows])
         return max(common) if common else -1
 
-    def _read_memory(self, slot: ShmSlot) -> tuple[int, Any] | None:
+    def _targets(self, into: dict | None) -> dict[str, torch.Tensor]:
+        if into is None:
+            return {}
+        return dict(flatten_state(into, self.rank)[1])
+
+    def _read_memory(self, slot: ShmSlot, targets: dict[str, torch.Tensor]) \
+            -> tuple[int, Any] | None:
         slot.try_lock(shared=True, blocking=True)  # waits for a flush by the saver
         try:
             meta, reason = slot.read_meta()
@@ -250,28 +254,35 @@ class FlashCheckpointer:
                                reason)
                 return None
             views = slot.tensor_views(meta)
-            tensors = {k: v.clone() for k, v in views.items()}
+            tensors = {k: _copy_into(targets.get(k), v) for k, v in views.items()}
             del views
             return meta.step, unflatten_state(meta.skeleton, tensors)
         finally:
             slot.unlock()
 
-    def restore(self) -> Restored | None:
-        """Newest state every rank can restore: memory if all hold it, else disk."""
+    def restore(self, into: dict | None = None) -> Restored | None:
+        """Newest state every rank can restore: memory if all hold it, else disk.
+
+        into: optionally a state of the same structure whose tensors (same key, shape and
+        dtype) receive the data in place, e.g. `capture_training_state(model, opt, ...)`:
+        the live parameters are filled directly (and on a GPU straight from shared memory),
+        without allocating a host copy of the state first.
+        """
         t0 = time.perf_counter()
+        targets = self._targets(into)
         info = self.restore_info = RestoreInfo()
         mine = self._memory_steps()
         common = self._common_memory_step(mine)
         got = None
         if common >= 0:
             slot = next(s for step, _, s in mine if step == common)
-            got = self._read_memory(slot)
+            got = self._read_memory(slot, targets)
             if self._agree_all(got is not None):
                 info.source, info.path = "memory", slot.path
             else:
                 got = None
         if got is None:
-            got = self._restore_disk(info)
+            got = self._restore_disk(info, targets)
         if got is None:
             info.seconds = time.perf_counter() - t0
             return None
@@ -282,7 +293,8 @@ class FlashCheckpointer:
                     self.rank, step, info.source, info.path, info.seconds)
         return Restored(step, state, info.source)
 
-    def _restore_disk(self, info: RestoreInfo) -> tuple[int, Any] | None:
+    def _restore_disk(self, info: RestoreInfo, targets: dict[str, torch.Tensor]) \
+            -> tuple[int, Any] | None:
         candidates = disk.list_steps(self.directory)
         if self.distributed:  # everyone walks rank 0's view of the folder
             box = [candidates]
@@ -311,7 +323,7 @@ class FlashCheckpointer:
             saved = disk.saved_world_size(path)
             info.source, info.path = "disk", path
             info.resharded = saved != self.world_size
-            return step, disk.load(path, source_rank=self.rank % saved)
+            return step, disk.load(path, source_rank=self.rank % saved, targets=targets)
         if info.skipped:
             logger.warning("flash checkpoint: no usable checkpoint in %s", self.directory)
         return None
@@ -382,68 +394,10 @@ class FlashCheckpointer:
                 pass
 
 
-# -- training-state helpers --------------------------------------------------------------
-def capture_rng() -> dict:
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-        rng["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    return rng
-
-
-def apply_rng(rng: dict) -> None:
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if "numpy" in rng:
-        import numpy as np
-        np.random.set_state(rng["numpy"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-
-
-def _named_tensors(model_or_params: Any) -> dict[str, torch.Tensor]:
-    if isinstance(model_or_params, torch.nn.Module):
-        return model_or_params.state_dict()
-    if isinstance(model_or_params, dict):
-        return dict(model_or_params)
-    return {str(i): p for i, p in enumerate(model_or_params)}
-
-
-def capture_training_state(model_or_params: Any, optimizer: Any = None, scheduler: Any = None,
-                           data_position: Any = None, plan_dict: dict | None = None) -> dict:
-    """The state to pass to `FlashCheckpointer.save` (references, not copies).
-
-    model_or_params: an nn.Module (its state_dict), a dict name -> tensor, or a list of
-    this rank's parameter shards. Tensors outside "rank_local" are taken to be the same on
-    every data-parallel rank and are stored once on disk.
-    """
-    return {
-        "model": _named_tensors(model_or_params),
-        "optimizer": optimizer.state_dict() if optimizer is not None else None,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "plan": plan_dict,
-        "rank_local": {"data_position": data_position, "rng": capture_rng()},
-    }
-
-
-def apply_training_state(state: dict, model_or_params: Any, optimizer: Any = None,
-                         scheduler: Any = None, *, restore_rng: bool = True) -> Any:
-    """Load `state` into the live objects; returns the data position."""
-    if isinstance(model_or_params, torch.nn.Module):
-        model_or_params.load_state_dict(state["model"])
-    else:
-        targets = _named_tensors(model_or_params)
+def _copy_into(target: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
+    """`src` copied into `target` when it fits (same shape and dtype), else a fresh clone."""
+    if target is not None and target.shape == src.shape and target.dtype == src.dtype:
         with torch.no_grad():
-            for name, t in state["model"].items():
-                targets[name].copy_(t)
-    if optimizer is not None and state.get("optimizer") is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if restore_rng:
-        apply_rng(state["rank_local"]["rng"])
-    return state["rank_local"]["data_position"]
+            target.copy_(src)
+        return target
+    return src.clone()

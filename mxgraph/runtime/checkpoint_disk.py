@@ -93,14 +93,35 @@ def _quiet(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
 def persist_rank(directory: str, meta: SnapshotMeta, tensors: dict[str, torch.Tensor], *,
                  fsync: bool = True) -> str:
-    """Write one rank's part of step `meta.step`; returns its folder. Idempotent."""
-    part = os.path.join(step_dir(directory, meta.step), f"rank_{meta.rank}")
-    if os.path.exists(os.path.join(part, MANIFEST)):
+    """Write one rank's part of step `meta.step`; returns its folder.
+
+    Idempotent for the same incarnation. A part of the same step left by another
+    incarnation (a lost attempt, before a restart) is replaced, and the step is un-committed
+    first, so a committed checkpoint never mixes parts of two attempts.
+    """
+    sdir = step_dir(directory, meta.step)
+    part = os.path.join(sdir, f"rank_{meta.rank}")
+    old = _read_json(os.path.join(part, MANIFEST))
+    if old is not None and old.get("incarnation") == meta.incarnation:
         return part
+    if is_committed(sdir):
+        info = _read_json(os.path.join(sdir, INFO)) or {}
+        if info.get("incarnation") == meta.incarnation:
+            return part
+        logger.warning("replacing checkpoint %s of an earlier attempt", sdir)
+        os.unlink(os.path.join(sdir, METADATA))
     if os.path.isdir(part):
-        shutil.rmtree(part)  # a half-written part from an earlier attempt
+        shutil.rmtree(part)  # half-written, or from another incarnation
     os.makedirs(part)
     record = {"step": meta.step, "rank": meta.rank, "world_size": meta.world_size,
               "skeleton": meta.skeleton}
@@ -111,7 +132,7 @@ def persist_rank(directory: str, meta: SnapshotMeta, tensors: dict[str, torch.Te
                     "size": os.path.getsize(os.path.join(part, name))}
              for name in sorted(os.listdir(part)) if not name.endswith(".tmp")}
     manifest = {"step": meta.step, "rank": meta.rank, "world_size": meta.world_size,
-                "files": files}
+                "incarnation": meta.incarnation, "files": files}
     _write_atomic(os.path.join(part, MANIFEST), json.dumps(manifest).encode(), fsync)
     return part
 
@@ -137,6 +158,8 @@ def try_commit(path: str, *, fsync: bool = True) -> bool:
     world_size = next(iter(manifests.values()))["world_size"]
     if sorted(manifests) != list(range(world_size)):
         return False
+    if len({m.get("incarnation") for m in manifests.values()}) != 1:
+        return False  # some parts are from a lost attempt; wait for them to be replaced
     merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={})
     owner: dict[str, int] = {}
     for rank in range(world_size):
@@ -156,7 +179,8 @@ def try_commit(path: str, *, fsync: bool = True) -> bool:
             if owner.get(index.fqn) == rank:
                 info.relative_path = f"rank_{rank}/{info.relative_path}"
                 merged.storage_data[index] = info
-    info = {"step": manifests[0]["step"], "world_size": world_size, "format": "mxgraph-dcp-1"}
+    info = {"step": manifests[0]["step"], "world_size": world_size, "format": "mxgraph-dcp-1",
+            "incarnation": manifests[0].get("incarnation")}
     _write_atomic(os.path.join(path, INFO), json.dumps(info).encode(), fsync)
     _write_atomic(os.path.join(path, METADATA), pickle.dumps(merged), fsync)  # the commit
     if fsync:
@@ -219,8 +243,13 @@ def saved_world_size(path: str) -> int:
         return json.load(f)["world_size"]
 
 
-def load(path: str, *, source_rank: int) -> Any:
-    """Load saving rank `source_rank`'s state (its skeleton, every tensor it refers to)."""
+def load(path: str, *, source_rank: int, targets: dict[str, torch.Tensor] | None = None) -> Any:
+    """Load saving rank `source_rank`'s state (its skeleton, every tensor it refers to).
+
+    targets: key -> tensor to load into in place when shape and dtype match (else a new
+    CPU tensor is made). Rank-local keys of `source_rank` are read under this process's
+    names, so a template captured on any rank fits.
+    """
     key = snapshot_key(source_rank)
     template: dict[str, Any] = {key: io.BytesIO()}
     _quiet(dcp.load, template, checkpoint_id=path, no_dist=True)
@@ -241,10 +270,19 @@ def load(path: str, *, source_rank: int) -> Any:
                 collect(v)
 
     collect(record["skeleton"])
+    targets = targets or {}
+    local = f"__rank{source_rank}__/"
     tensors = {}
     for k in refs:
         smd = md.state_dict_metadata[k]
-        tensors[k] = torch.empty(tuple(smd.size), dtype=smd.properties.dtype)
+        size, dtype = tuple(smd.size), smd.properties.dtype
+        t = targets.get(k)
+        if t is None and k.startswith(local):  # rank-local entry saved by another rank
+            t = next((v for name, v in targets.items()
+                      if name.endswith("__/" + k[len(local):]) and name.startswith("__rank")),
+                     None)
+        ok = t is not None and tuple(t.shape) == size and t.dtype == dtype
+        tensors[k] = t if ok else torch.empty(size, dtype=dtype)
     if tensors:
         _quiet(dcp.load, dict(tensors), checkpoint_id=path, no_dist=True)
     return unflatten_state(record["skeleton"], tensors)

@@ -89,6 +89,7 @@ class SnapshotMeta:
     world_size: int
     skeleton: Any  # the state with every tensor replaced by a TensorRef
     specs: list[TensorSpec]
+    incarnation: str = ""  # same on every rank of one (re)start: parts of a step must match
 
 
 def flatten_state(state: Any, rank: int) -> tuple[Any, list[tuple[str, torch.Tensor]]]:

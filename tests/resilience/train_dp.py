@@ -57,7 +57,7 @@ def main():
     ckpt = FlashCheckpointer(args.ckpt_dir, run_id=run_id, rank=rank, world_size=world,
                              keep=2, persist_every=args.persist_every, linger_s=20.0)
     start = 0
-    restored = ckpt.restore()
+    restored = ckpt.restore(into=capture_training_state(model, opt, sched))
     if restored is not None:
         start = apply_training_state(restored.state, model, opt, sched)
     with open(args.events, "a") as f:
