@@ -49,14 +49,20 @@ _interpreted: dict[int, object] = {}
 def on(kernel, device: torch.device):
     """The kernel to launch for tensors on ``device``.
 
-    On the CPU (tests) the kernel runs in Triton's interpreter even when this module was
-    imported without ``TRITON_INTERPRET=1``. Kernels must not call other ``@triton.jit``
-    functions: the interpreter cannot follow such calls from a compiled-mode kernel.
+    On the CPU (tests) kernels run in Triton's interpreter, which needs ``TRITON_INTERPRET=1``
+    in the environment before ``triton`` is first imported (Triton's own ``tl.sum``,
+    ``tl.max``, ... are built then). A kernel of this package imported earlier than that is
+    wrapped here, so test order does not matter. Kernels must not call other
+    ``@triton.jit`` functions: the interpreter cannot follow such calls from a wrapped kernel.
     """
     if device.type != "cpu":
         return kernel
+    import triton.language.standard
     from triton.runtime.interpreter import InterpretedFunction
 
+    if not isinstance(triton.language.standard.sum, InterpretedFunction):
+        raise RuntimeError("Triton kernels on CPU tensors run in Triton's interpreter: set TRITON_INTERPRET=1 in "
+                           "the environment before triton is first imported")
     if isinstance(kernel, InterpretedFunction):
         return kernel
     key = id(kernel)
