@@ -360,9 +360,7 @@ class FlashCheckpointer:
         if self._loop is not None:
             self._loop.stop.set()
             self._thread.join()
-            if self.rank == 0 and self.distributed:
-                self._commit_all(timeout_s)
-            elif self.rank == 0:
+            if self.rank == 0:  # every part is on disk now: one pass commits them
                 self._loop.commit_ready()
         if self.distributed and self.saver == "thread":
             dist.barrier(group=self.group)  # rank 0 committed
@@ -378,13 +376,6 @@ class FlashCheckpointer:
             s.close()
         if self.saver != "process":
             self._unlink_own()
-
-    def _commit_all(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self._loop.to_commit and time.monotonic() < deadline:
-            self._loop.commit_ready()
-            if self._loop.to_commit:
-                time.sleep(0.01)
 
     def _unlink_own(self) -> None:
         for i in range(len(getattr(self, "slots", []))):

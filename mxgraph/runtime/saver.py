@@ -138,12 +138,13 @@ class SaverLoop:
             slot.unlock()
 
     def commit_ready(self) -> None:
-        if self.ranks is not None and 0 not in self.ranks:
-            self.to_commit.clear()  # another process commits
-            return
+        """Commit every step whose parts are all on disk (one pass; the rest wait)."""
         if not any(r == 0 for r, _ in self.slots):
-            return  # the committer is the saver that sees rank 0
+            self.to_commit.clear()  # the committer is the saver that sees rank 0
+            return
         for path in sorted(self.to_commit):
+            if path not in self.to_commit:
+                continue  # dropped by a newer commit in this pass
             try:
                 if disk.try_commit(path, fsync=self.fsync):
                     self.to_commit.discard(path)
@@ -178,8 +179,7 @@ class SaverLoop:
                                    "seq %d to disk", rank, h["owner_pid"], h["seq"])
                 busy |= self.persist(slot)
         if self.to_commit:
-            self.commit_ready()
-            busy = True
+            self.commit_ready()  # steps still missing parts stay queued; they do not block exit
         if busy:
             self.idle_since = time.monotonic()
         if not ranks:
@@ -188,6 +188,7 @@ class SaverLoop:
         all_gone = all(all(h["closed"] or not pid_alive(h["owner_pid"]) for h in hs)
                        for hs in ranks.values())
         if all_closed and not busy:
+            self.commit_ready()
             return False
         if all_gone and not busy and time.monotonic() - self.idle_since > self.linger_s:
             logger.warning("saver: no live worker for %.0f s; cleaning up", self.linger_s)

@@ -154,9 +154,9 @@ class ShmSlot:
             self._map(size)
 
     # -- mapping -----------------------------------------------------------------------
-    def _map(self, size: int) -> None:
+    def _map(self, size: int, *, populate: bool = False) -> None:
         self._unmap()
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         self.mm = mmap.mmap(self.fd, size, flags=flags)
         self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
 
@@ -172,7 +172,7 @@ class ShmSlot:
     def _resize(self, size: int) -> None:
         os.ftruncate(self.fd, size)
         os.posix_fallocate(self.fd, 0, size)  # ENOSPC now rather than SIGBUS mid-copy
-        self._map(size)
+        self._map(size, populate=True)  # the writer touches every page anyway: fault them now
 
     @property
     def size(self) -> int:
