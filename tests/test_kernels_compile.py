@@ -75,6 +75,9 @@ def _run_all_triton_paths(dtype):
     bias_dropout_add.bias_dropout_add_backward_triton(a, 0.1, True, 7, 0)
     y, h, rstd = rmsnorm.add_rmsnorm_triton(a, b, bias, 1e-6)
     rmsnorm.rmsnorm_triton(a, bias, 1e-6)
+    wide = mk(2, 8192)  # a Llama-70B-wide row: BLOCK_N 8192, 8 warps
+    rmsnorm.rmsnorm_triton(wide, wide[0], 1e-6)
+    rmsnorm.rmsnorm_backward_triton(wide, wide, wide[0], torch.ones(2), None)
     rmsnorm.rmsnorm_backward_triton(a, a, bias, torch.ones(4), a)
     rmsnorm.rmsnorm_backward_triton(a, a, bias, torch.ones(4), None)
     q, k, cos = mk(1, 8, 4, 128), mk(1, 8, 1, 128), torch.randn(8, 64)

@@ -69,3 +69,8 @@ def on(kernel, device: torch.device):
     if key not in _interpreted:
         _interpreted[key] = InterpretedFunction(kernel.fn)
     return _interpreted[key]
+
+
+def num_warps_for(block_elems: int) -> int:
+    """Warps for a program that holds ``block_elems`` values of one row in registers."""
+    return 4 if block_elems <= 2048 else 8 if block_elems <= 8192 else 16

@@ -238,7 +238,8 @@ def gqa_attention_backward_triton(grad_out: Tensor, grad_lse: Tensor | None, q: 
     delta = delta.contiguous()
     dq, dk, dv = _common.new_output_like(q), _common.new_output_like(k), _common.new_output_like(v)
     bm, bn, bd = _blocks(q.device, d)
-    args = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd)
+    # two [BLOCK_N, D] fp32 accumulators (dK, dV) per program: 8 warps keep them in registers
+    args = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=8)
     if b * hkv * sk:
         _common.on(_bwd_dkdv_kernel, q.device)[(triton.cdiv(sk, bn), b * hkv)](
             q, k, v, do, lse, delta, dk, dv, hq, hkv, sq, sk, d, scale, **args)

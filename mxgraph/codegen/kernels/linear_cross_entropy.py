@@ -128,9 +128,11 @@ def linear_cross_entropy_triton(x: Tensor, weight: Tensor, targets: Tensor, chun
     loss_rows = _common.new_output((n,), dtype=torch.float32, device=x.device)
     lse = _common.new_output((n,), dtype=torch.float32, device=x.device)
     kernel = _common.on(_ce_fwd_kernel, x.device)
+    block_v = _block_v(x.device, v)
     for s, e in _chunks(n, chunk_size):
         logits = x[s:e] @ weight.T
-        kernel[(e - s,)](logits, targets[s:e], loss_rows[s:], lse[s:], v, ignore_index, BLOCK_V=_block_v(x.device, v))
+        kernel[(e - s,)](logits, targets[s:e], loss_rows[s:], lse[s:], v, ignore_index, BLOCK_V=block_v,
+                         num_warps=_common.num_warps_for(block_v))
     return loss_rows.sum() / (targets != ignore_index).sum(), lse
 
 
@@ -143,12 +145,13 @@ def linear_cross_entropy_backward_triton(grad_loss: Tensor, x: Tensor, weight: T
     dx = _common.new_output_like(x)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
     kernel = _common.on(_ce_bwd_kernel, x.device)
+    block_v = _block_v(x.device, v)
     for s, e in _chunks(n, chunk_size):
         logits = x[s:e] @ weight.T
         # in place unless debugging: a poisoned buffer catches elements the kernel skips
         dlogits = _common.new_output_like(logits) if _common.poison_enabled() else logits
-        kernel[(e - s,)](logits, dlogits, targets[s:e], lse[s:], scale, v, ignore_index,
-                         BLOCK_V=_block_v(x.device, v))
+        kernel[(e - s,)](logits, dlogits, targets[s:e], lse[s:], scale, v, ignore_index, BLOCK_V=block_v,
+                         num_warps=_common.num_warps_for(block_v))
         torch.mm(dlogits, weight, out=dx[s:e])
         dw += (dlogits.T @ x[s:e]).float()
     return dx, dw.to(weight.dtype)

@@ -109,7 +109,8 @@ def _fwd(x, residual, weight, eps):
     if m:
         _common.on(_rmsnorm_fwd_kernel, x.device)[(m,)](
             x, residual.contiguous() if residual is not None else x, weight.contiguous(), y, h, rstd, n, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_N=_common.block_for(n))
+            HAS_RESIDUAL=residual is not None, BLOCK_N=_common.block_for(n),
+            num_warps=_common.num_warps_for(_common.block_for(n)))
     return y, h, rstd
 
 
@@ -133,7 +134,7 @@ def rmsnorm_backward_triton(grad_y: Tensor, h: Tensor, weight: Tensor, rstd: Ten
     _common.on(_rmsnorm_bwd_kernel, h.device)[(progs,)](
         grad_y, h, weight.contiguous(), rstd, grad_residual.contiguous() if grad_residual is not None else h,
         dh, partial, m, n, triton.cdiv(m, progs), HAS_GRES=grad_residual is not None,
-        BLOCK_N=_common.block_for(n))
+        BLOCK_N=_common.block_for(n), num_warps=_common.num_warps_for(_common.block_for(n)))
     return dh, partial.sum(0).to(weight.dtype)
 
 
