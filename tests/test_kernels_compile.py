@@ -40,6 +40,15 @@ def _type(value):
     raise TypeError(f"no Triton type for {type(value)}")
 
 
+def fn_no_spec(fn) -> set:
+    """Parameter names the kernel's ``@triton.jit(do_not_specialize=...)`` exempts."""
+    kernel = _KERNELS_BY_FN.get(fn)
+    return {p.name for p in getattr(kernel, "params", []) if p.do_not_specialize}
+
+
+_KERNELS_BY_FN: dict = {}
+
+
 class _Recorder:
     """Stands in for ``_common.on``: records each launch without running it."""
 
@@ -50,9 +59,13 @@ class _Recorder:
         def launcher(grid):
             def launch(*args, **kwargs):
                 fn = getattr(kernel, "fn", kernel)
+                _KERNELS_BY_FN[fn] = kernel
                 names = JITFunction(fn).arg_names
-                signature = {n: _type(v) for n, v in zip(names, args)}
+                # as the JIT does, an int argument equal to 1 becomes a constexpr
+                ones = {n for n, v in zip(names, args) if type(v) is int and v == 1 and n not in fn_no_spec(fn)}
+                signature = {n: _type(v) for n, v in zip(names, args) if n not in ones}
                 constexprs = {n: v for n, v in kwargs.items() if n not in LAUNCH_OPTIONS}
+                constexprs.update({n: 1 for n in ones})
                 signature.update({n: "constexpr" for n in constexprs})
                 options = {n: v for n, v in kwargs.items() if n in LAUNCH_OPTIONS}
                 key = (fn.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())))
@@ -72,6 +85,7 @@ def _run_all_triton_paths(dtype):
         bias_gelu.bias_gelu_backward_triton(a, a, bias, approx)
     bias_dropout_add.bias_dropout_add_triton(a, bias, b, 0.1, True, 2**40 + 3, 2**33)
     bias_dropout_add.bias_dropout_add_triton(a, None, b, 0.0, False, 1, 0)
+    bias_dropout_add.bias_dropout_add_triton(a, bias, b, 0.5, True, 0, 1)  # offset 1: no constexpr surprise
     bias_dropout_add.bias_dropout_add_backward_triton(a, 0.1, True, 7, 0)
     y, h, rstd = rmsnorm.add_rmsnorm_triton(a, b, bias, 1e-6)
     rmsnorm.rmsnorm_triton(a, bias, 1e-6)
