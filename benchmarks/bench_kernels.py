@@ -242,6 +242,7 @@ def run_case(case: Case, args, device: str, copy_gbps: float) -> list[dict]:
     inputs = case.make_inputs()
     impls = {"eager": case.eager, "fused": case.fused}
     if not args.no_compile and device == "cuda":
+        torch._dynamo.reset()  # each case compiles afresh: shapes and closures never hit a recompile limit
         impls["compile"] = torch.compile(case.eager, dynamic=False)
     rows = []
     for phase in ("fwd", "fwd+bwd") if case.backward else ("fwd",):
