@@ -144,6 +144,7 @@ def linear_cross_entropy_backward_triton(grad_loss: Tensor, x: Tensor, weight: T
     scale = (grad_loss.float() / (targets != ignore_index).sum()).reshape(1)
     dx = _common.new_output_like(x)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+    dw_chunk = torch.empty_like(weight)  # one GEMM output buffer, reused by every chunk
     kernel = _common.on(_ce_bwd_kernel, x.device)
     block_v = _block_v(x.device, v)
     for s, e in _chunks(n, chunk_size):
@@ -153,7 +154,8 @@ def linear_cross_entropy_backward_triton(grad_loss: Tensor, x: Tensor, weight: T
         kernel[(e - s,)](logits, dlogits, targets[s:e], lse[s:], scale, v, ignore_index, BLOCK_V=block_v,
                          num_warps=_common.num_warps_for(block_v))
         torch.mm(dlogits, weight, out=dx[s:e])
-        dw += (dlogits.T @ x[s:e]).float()
+        torch.mm(dlogits.T, x[s:e], out=dw_chunk)
+        dw += dw_chunk
     return dx, dw.to(weight.dtype)
 
 
