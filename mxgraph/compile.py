@@ -14,14 +14,19 @@ import time
 
 import torch
 
+import torch.distributed as dist
+
 from mxgraph.capture import capture, flat_inputs
 from mxgraph.codegen.python import CompiledGraph, generate
+from mxgraph.compile_pipeline import compile_pipeline, split_microbatches
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
 from mxgraph.joint import build_joint
 from mxgraph.passes.pipeline import FORWARD_PASSES, JOINT_PASSES, check_pass_names
 from mxgraph.passes.runner import record, run_pass
 from mxgraph.plan import Plan, require_built
+from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.pipeline import PipelineExecutor
 
 
 class Step:
@@ -30,28 +35,57 @@ class Step:
     def __init__(self, model: torch.nn.Module, plan: Plan):
         self.model = model
         self.plan = plan
-        self._compiled: dict[tuple, CompiledGraph] = {}
+        self.mesh = Mesh.from_plan(plan)
+        self._compiled: dict[tuple, object] = {}
         self.contexts: list[CompileContext] = []
         """One per compiled input signature: the pass records (and dump dir)."""
 
     def parameters(self):
-        """The parameters this rank updates (on one device: the model's own)."""
-        return self.model.parameters()
+        """The parameters this rank updates (on one device: the model's own). Compiles
+        nothing: with pp > 1 it is the parameters of this rank's stages, known after the
+        first call; before it, all of the model's."""
+        return (p for _, p in self.named_parameters())
 
     def named_parameters(self):
-        return self.model.named_parameters()
+        owned = getattr(self, "_owned", None)
+        return ((n, p) for n, p in self.model.named_parameters()
+                if owned is None or n in owned)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         key = _signature(args, kwargs)
         compiled = self._compiled.get(key)
         if compiled is None:
             compiled = self._compiled[key] = self._compile(args, kwargs)
-        return compiled.run(self.model, flat_inputs(args, kwargs))
+        if isinstance(compiled, PipelineExecutor):
+            loss = compiled.step(split_microbatches(flat_inputs(args, kwargs),
+                                                    self.plan.micro_batches))
+        else:
+            loss = compiled.run(self.model, flat_inputs(args, kwargs))
+        return self._reduce_data_parallel(loss)
 
-    def _compile(self, args, kwargs) -> CompiledGraph:
+    def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
+        """Average loss and gradients over the data-parallel group."""
+        dp = self.mesh.sizes["dp"]
+        if dp == 1:
+            return loss
+        group = self.mesh.group("dp")
+        for param in self.parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=group)
+                param.grad.div_(dp)
+        loss = loss.clone()
+        dist.all_reduce(loss, group=group)
+        return loss / dp
+
+    def _compile(self, args, kwargs):
         tag = f"sig{len(self._compiled)}" if self._compiled else ""
         ctx = CompileContext.for_plan(self.plan, tag)
         self.contexts.append(ctx)
+        if self.plan.pp > 1 or self.plan.micro_batches > 1:
+            executor = compile_pipeline(self.model, self.plan, self.mesh, ctx, args, kwargs)
+            self._owned = {name for rt in executor.stages.values()
+                           for name, _ in rt.programs.param_grads}
+            return executor
         start = time.perf_counter()
         forward = capture(self.model, args, kwargs)
         record(ctx, "capture", "forward", forward.gm, time.perf_counter() - start)

@@ -29,8 +29,11 @@ class JointGraph:
     """A joint graph with flat inputs; outputs are [loss, grad, grad, ...]."""
 
     gm: torch.fx.GraphModule
-    inputs: list[Slot]  # kind "tangent" for the loss's incoming gradient
-    grad_of: list[str | None]  # per output after the loss: the parameter it belongs to
+    inputs: list[Slot]  # kind "tangent" (key = output index) for incoming gradients
+    grad_of: list[Slot | None]
+    """Per output after the forward outputs: the parameter (kind "param") or input
+    (kind "input") it is the gradient of; None where there is no gradient."""
+    num_forward_outputs: int = 1
 
 
 class _GraphModule(torch.nn.Module):
@@ -51,13 +54,16 @@ class _GraphModule(torch.nn.Module):
         return torch.fx.Interpreter(self.graph_module).run(*tensors, *inputs)
 
 
-def build_joint(forward: ForwardGraph, tensors: list[torch.Tensor], inputs: list) -> JointGraph:
-    """Trace forward + backward. `tensors` feed the non-input slots, in slot order."""
+def build_joint(forward: ForwardGraph, tensors: list[torch.Tensor], inputs: list,
+                num_outputs: int = 1) -> JointGraph:
+    """Trace forward + backward. `tensors` feed the non-input slots, in slot order;
+    `inputs` that require grad get a gradient output. The forward has `num_outputs`
+    outputs (the loss, or a pipeline stage's activations)."""
     holder = _GraphModule(forward, tensors)
     # A fake mode with a ShapeEnv lets data-dependent sizes (MoE token counts) stay
     # symbolic (unbacked) instead of failing; every input shape stays static.
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    fake_inputs = [fake_mode.from_tensor(x, static_shapes=True)
+    fake_inputs = [_fake(fake_mode, x)
                    if isinstance(x, torch.Tensor) else x for x in inputs]
     with contextlib.ExitStack() as stack:
         try:
@@ -76,19 +82,30 @@ def build_joint(forward: ForwardGraph, tensors: list[torch.Tensor], inputs: list
         elif isinstance(desc, PlainAOTInput):
             slots.append(Slot("input", desc.idx))
         elif isinstance(desc, TangentAOTInput):
-            slots.append(Slot("tangent", 0))
+            slots.append(Slot("tangent", desc.output.idx))
         else:
             raise TraceError(f"joint graph input {node.name} has an unsupported kind {desc}")
     output = gm.graph.find_nodes(op="output")[0]
     descs = output.meta.get("desc") or []
-    if not descs or not isinstance(descs[0], PlainAOTOutput):
-        raise TraceError("the joint graph's first output is not the loss")
+    if len(descs) < num_outputs or not all(isinstance(d, PlainAOTOutput)
+                                             for d in descs[:num_outputs]):
+        raise TraceError(f"the joint graph's first {num_outputs} outputs are not the "
+                         f"forward's: {descs[:num_outputs]}")
     grad_of = []
-    for desc in descs[1:]:
+    for desc in descs[num_outputs:]:
         if desc is None:  # no gradient (an integer input, a frozen parameter)
             grad_of.append(None)
-            continue
-        if not isinstance(desc, GradAOTOutput) or not isinstance(desc.grad_of, ParamAOTInput):
+        elif isinstance(desc, GradAOTOutput) and isinstance(desc.grad_of, ParamAOTInput):
+            grad_of.append(holder.tensor_slots[int(desc.grad_of.target[1:])])
+        elif isinstance(desc, GradAOTOutput) and isinstance(desc.grad_of, PlainAOTInput):
+            grad_of.append(Slot("input", desc.grad_of.idx))
+        else:
             raise TraceError(f"unexpected joint graph output {desc} in {descs}")
-        grad_of.append(holder.tensor_slots[int(desc.grad_of.target[1:])].key)
-    return JointGraph(gm=gm, inputs=slots, grad_of=grad_of)
+    return JointGraph(gm=gm, inputs=slots, grad_of=grad_of, num_forward_outputs=num_outputs)
+
+
+def _fake(fake_mode, value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    fake = fake_mode.from_tensor(value, static_shapes=True)
+    return fake.requires_grad_(value.requires_grad) if fake.is_floating_point() else fake

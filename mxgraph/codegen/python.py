@@ -52,17 +52,21 @@ class CompiledGraph:
         with torch.no_grad():
             outputs = self.fn(*args)
         params = dict(model.named_parameters(remove_duplicate=False))
-        for name, grad in zip(self.joint.grad_of, outputs[1:]):
-            if grad is None or name is None:
+        for slot, grad in zip(self.joint.grad_of, outputs[1:]):
+            if grad is None or slot is None or slot.kind != "param":
                 continue
-            param = params[name]
-            if grad.stride() != param.stride():
-                grad = grad.clone(memory_format=torch.contiguous_format)
-            if param.grad is None:
-                param.grad = grad
-            else:
-                param.grad.add_(grad)
+            accumulate_grad(params[slot.key], grad)
         return outputs[0].detach()
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add `grad` into `param.grad` as autograd's AccumulateGrad does."""
+    if grad.stride() != param.stride():
+        grad = grad.clone(memory_format=torch.contiguous_format)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
 
 
 def generate(joint: JointGraph, constants: dict, ctx: CompileContext) -> CompiledGraph:

@@ -1,0 +1,55 @@
+"""The device mesh of a plan: one process group per parallel axis.
+
+Axes, outermost first: pp, dp, cp, tp (tp fastest, so a TP group sits on one node, as in
+Megatron-LM). Built with `torch.distributed.device_mesh.init_device_mesh`; gloo on the
+CPU, nccl on `cuda` (MCCL on MXMACA).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from mxgraph.errors import PlanError
+from mxgraph.plan import Plan
+
+AXES = ("pp", "dp", "cp", "tp")
+
+
+@dataclass
+class Mesh:
+    """This rank's place in the mesh and the groups of each axis."""
+
+    sizes: dict[str, int]
+    coords: dict[str, int]
+    device_mesh: object | None
+
+    @classmethod
+    def from_plan(cls, plan: Plan, device_type: str = "cpu") -> "Mesh":
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        sizes = {"pp": plan.pp, "dp": plan.resolve_dp(world), "cp": plan.cp, "tp": plan.tp}
+        if world == 1:
+            return cls(sizes, {axis: 0 for axis in AXES}, None)
+        if not dist.is_initialized():
+            raise PlanError("a multi-rank plan needs torch.distributed initialised; start "
+                            "with torchrun or `mxgraph train --nproc N`")
+        mesh = init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
+        coords = dict(zip(AXES, mesh.get_coordinate()))
+        return cls(sizes, coords, mesh)
+
+    def group(self, axis: str):
+        return None if self.device_mesh is None else self.device_mesh.get_group(axis)
+
+    def rank_at(self, **coords) -> int:
+        """The global rank at this rank's coordinates, with `coords` replaced."""
+        merged = {**self.coords, **coords}
+        rank = 0
+        for axis in AXES:
+            rank = rank * self.sizes[axis] + merged[axis]
+        return rank
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,200 @@
+"""The pipeline executor: runs a rank's F/B/W programs in schedule order.
+
+Per rank, the schedule (`mxgraph.schedules`) lists actions. The executor keeps, per
+(stage, micro-batch), a dict of joint-graph node -> tensor (`env`): F fills it, B and W
+read it, W drops it. Activations and their gradients move with asynchronous
+`isend`/`irecv` (the schedules assume sends do not block); a stage whose neighbour
+lives on the same rank (DualPipeV's turn) hands tensors over in memory.
+
+After the last action: the loss (mean over micro-batches) is broadcast from the rank
+that computed it over the pipeline group; gradients of parameters held by several
+stages on different ranks (tied embeddings) are summed over those ranks; with dp > 1,
+gradients are averaged over the data-parallel group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mxgraph.codegen.python import accumulate_grad
+from mxgraph.passes.split_bw import StagePrograms
+from mxgraph.runtime.mesh import Mesh
+from mxgraph.schedules import (B, BW, F, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W,
+                               Action, Schedule)
+
+_KIND_CODES = {SEND_F: 0, SEND_B: 1}
+
+
+@dataclass
+class StageRuntime:
+    """What the executor needs of one stage held by this rank."""
+
+    programs: StagePrograms
+    slots: list  # JointGraph.inputs
+    num_activations: int
+    user_inputs: list[int]  # flattened user input index per "user" activation slot
+    activation_meta: list[torch.Tensor]  # fake tensors: shapes of received activations
+    output_meta: list[torch.Tensor]  # fake tensors: shapes of this stage's outputs
+    constants: dict
+
+
+@dataclass
+class PipelineRun:
+    """State of one step on one rank."""
+
+    microbatches: list[list]
+    env: dict = field(default_factory=dict)  # (stage, mb) -> {node: tensor}
+    acts_in: dict = field(default_factory=dict)  # (stage, mb) -> received activations
+    grads_in: dict = field(default_factory=dict)  # (stage, mb) -> received output grads
+    acts_out: dict = field(default_factory=dict)
+    grads_out: dict = field(default_factory=dict)
+    sends: list = field(default_factory=list)
+    losses: dict = field(default_factory=dict)
+
+
+class PipelineExecutor:
+    def __init__(self, model: torch.nn.Module, schedule: Schedule,
+                 stages: dict[int, StageRuntime], mesh: Mesh,
+                 shared_params: list[tuple[str, set[int]]]):
+        self.model = model
+        self.schedule = schedule
+        self.stages = stages
+        self.mesh = mesh
+        self.shared_params = shared_params
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _peer(self, stage: int) -> int:
+        return self.mesh.rank_at(pp=self.schedule.stage_to_rank[stage])
+
+    def _local(self, stage: int) -> bool:
+        return self.schedule.stage_to_rank[stage] == self.mesh.coords["pp"]
+
+    def _tag(self, kind: str, stage: int, mb: int) -> int:
+        return (_KIND_CODES[kind] * self.schedule.num_stages + stage) * \
+            self.schedule.num_microbatches + mb
+
+    # ---- actions ----------------------------------------------------------------------
+    def forward(self, run: PipelineRun, stage: int, mb: int) -> None:
+        rt = self.stages[stage]
+        env = run.env[(stage, mb)] = {}
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        activations = run.acts_in.pop((stage, mb), [])
+        inputs = run.microbatches[mb]
+        for node, slot in zip(rt.programs.placeholders, rt.slots):
+            if slot.kind == "param":
+                env[node] = params[slot.key]
+            elif slot.kind == "buffer":
+                env[node] = buffers[slot.key]
+            elif slot.kind == "constant":
+                env[node] = rt.constants[slot.key]
+            elif slot.kind == "input":
+                env[node] = activations[slot.key] if slot.key < rt.num_activations else \
+                    inputs[rt.user_inputs[slot.key - rt.num_activations]]
+        with torch.no_grad():
+            rt.programs.forward.run(env)
+        outputs = [env[n] for n in rt.programs.forward_outputs]
+        if stage == self.schedule.num_stages - 1:
+            run.losses[mb] = outputs[0]
+        elif self._local(stage + 1):
+            run.acts_in[(stage + 1, mb)] = outputs
+        else:
+            run.acts_out[(stage, mb)] = outputs
+
+    def backward_input(self, run: PipelineRun, stage: int, mb: int) -> None:
+        rt = self.stages[stage]
+        env = run.env[(stage, mb)]
+        if stage == self.schedule.num_stages - 1:
+            loss = env[rt.programs.forward_outputs[0]]
+            grads = [torch.full_like(loss, 1.0 / self.schedule.num_microbatches)]
+        else:
+            grads = run.grads_in.pop((stage, mb))
+        for node, slot in zip(rt.programs.placeholders, rt.slots):
+            if slot.kind == "tangent":
+                env[node] = grads[slot.key]
+        with torch.no_grad():
+            rt.programs.backward_input.run(env)
+        if stage == 0:
+            return
+        input_grads = [env[rt.programs.input_grads[i]] if i in rt.programs.input_grads
+                       else torch.zeros_like(rt.activation_meta[i], device="cpu")
+                       for i in range(rt.num_activations)]
+        if self._local(stage - 1):
+            run.grads_in[(stage - 1, mb)] = input_grads
+        else:
+            run.grads_out[(stage, mb)] = input_grads
+
+    def backward_weight(self, run: PipelineRun, stage: int, mb: int) -> None:
+        rt = self.stages[stage]
+        env = run.env.pop((stage, mb))
+        with torch.no_grad():
+            rt.programs.backward_weight.run(env)
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, node in rt.programs.param_grads:
+            accumulate_grad(params[name], env[node])
+
+    def send(self, run: PipelineRun, kind: str, stage: int, mb: int) -> None:
+        tensors = (run.acts_out if kind == SEND_F else run.grads_out).pop((stage, mb))
+        peer = self._peer(stage + 1 if kind == SEND_F else stage - 1)
+        for tensor in tensors:
+            run.sends.append(dist.isend(tensor.contiguous(), peer,
+                                        tag=self._tag(kind, stage, mb)))
+
+    def recv(self, run: PipelineRun, kind: str, stage: int, mb: int) -> None:
+        if kind == RECV_F:
+            metas, sender, sent_kind = self.stages[stage].activation_meta, stage - 1, SEND_F
+        else:
+            metas, sender, sent_kind = self.stages[stage].output_meta, stage + 1, SEND_B
+        buffers = [torch.empty(m.shape, dtype=m.dtype) for m in metas]
+        for buffer in buffers:
+            dist.irecv(buffer, self._peer(sender), tag=self._tag(sent_kind, sender, mb)).wait()
+        (run.acts_in if kind == RECV_F else run.grads_in)[(stage, mb)] = buffers
+
+    def do(self, run: PipelineRun, action: Action) -> None:
+        kind, stage, mb = action.kind, action.stage, action.microbatch
+        if kind == F:
+            self.forward(run, stage, mb)
+        elif kind == B:
+            self.backward_input(run, stage, mb)
+        elif kind == W:
+            self.backward_weight(run, stage, mb)
+        elif kind == BW:
+            self.backward_input(run, stage, mb)
+            self.backward_weight(run, stage, mb)
+        elif kind == OVERLAP_F_B:
+            for part in action.parts:
+                self.do(run, part)
+        elif kind in (SEND_F, SEND_B):
+            self.send(run, kind, stage, mb)
+        else:
+            self.recv(run, kind, stage, mb)
+
+    # ---- one step ---------------------------------------------------------------------
+    def step(self, microbatches: list[list]) -> torch.Tensor:
+        run = PipelineRun(microbatches)
+        for action in self.schedule.actions[self.mesh.coords["pp"]]:
+            self.do(run, action)
+        for work in run.sends:
+            work.wait()
+        loss = torch.stack([run.losses[m] for m in sorted(run.losses)]).mean() \
+            if run.losses else torch.zeros(())
+        if self.mesh.sizes["pp"] > 1:
+            loss = loss.detach().clone()
+            dist.broadcast(loss, self._peer(self.schedule.num_stages - 1),
+                           group=self.mesh.group("pp"))
+            self._sum_shared_grads()
+        return loss.detach()
+
+    def _sum_shared_grads(self) -> None:
+        """Sum gradients of parameters used by stages on several ranks (every pipeline
+        rank joins each all-reduce; ranks without the parameter add zeros)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, holders in self.shared_params:
+            param = params[name]
+            held = self.mesh.coords["pp"] in holders
+            grad = param.grad if held and param.grad is not None else torch.zeros_like(param)
+            dist.all_reduce(grad, group=self.mesh.group("pp"))
+            if held:
+                param.grad = grad
