@@ -4,6 +4,32 @@ Importing this package registers every op. ``KERNELS`` maps an op name (forward 
 backward alike, e.g. ``"swiglu"`` and ``"swiglu_backward"``) to a :class:`Kernel`: the op
 overload, its plain-torch reference and its Triton implementation. The op itself runs the
 Triton implementation on ``cuda`` tensors (MXMACA included) and the reference elsewhere.
+
+Each forward op has a fake implementation and an autograd formula whose backward is the
+fused ``*_backward`` op (itself with reference, Triton and fake implementations):
+
+=====================================  ============================================================
+module                                 ops (``torch.ops.mxgraph.*``)
+=====================================  ============================================================
+``swiglu``                             swiglu(a, b); bias_swiglu(a, b, bias_a, bias_b)
+``bias_gelu``                          bias_gelu(x, bias, approximate="none"|"tanh")
+``bias_dropout_add``                   bias_dropout_add(x, bias?, residual, p, training, seed, offset)
+``rope``                               rope(q, k, cos, sin, interleaved) -> (q, k)
+``gqa``                                gqa_attention(q, k, v, causal, scale) -> (out, lse)
+``rmsnorm``                            rmsnorm(x, w, eps) -> (y, rstd);
+                                       add_rmsnorm(x, residual, w, eps) -> (y, new_residual, rstd)
+``linear_cross_entropy``               linear_cross_entropy(x, weight, targets, chunk_size,
+                                       ignore_index) -> (loss, lse)
+``moe_permute``                        moe_permute(x, topk_ids, E) -> (rows, row_map, counts);
+                                       moe_permute_capacity(x, topk_ids, E, C) -> (rows[E,C,D], slot_map,
+                                       counts); moe_unpermute(rows, row_map, probs)
+``moe_router``                         moe_router(logits, bias?, topk, score_func, num_groups,
+                                       topk_groups, normalize, route_scale) -> (probs, ids, counts)
+=====================================  ============================================================
+
+Module docstrings give the exact semantics. Tests run the Triton paths on CPU tensors in
+Triton's interpreter (``TRITON_INTERPRET=1``); ``MXGRAPH_KERNEL_POISON=1`` fills outputs with
+NaN first so unwritten elements show.
 """
 
 from __future__ import annotations
