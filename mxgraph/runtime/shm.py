@@ -279,14 +279,22 @@ class ShmSlot:
         return meta, "ok"
 
     def tensor_views(self, meta: SnapshotMeta) -> dict[str, torch.Tensor]:
-        """Zero-copy views of the snapshot's tensors (valid while the slot stays mapped)."""
+        """Zero-copy views of the snapshot's tensors (valid while the slot stays mapped).
+
+        Each view gets a storage of exactly its own bytes (torch.frombuffer with an offset),
+        not a slice of one big storage: DCP clones any tensor whose storage is larger than
+        itself, which would copy the whole snapshot once more on every persist.
+        """
         data_off = self.get("data_off")
         out = {}
         for spec in meta.specs:
-            start = data_off + spec.offset
-            raw = self.buf[start:start + spec.nbytes]
-            out[spec.key] = raw.view(spec.dtype).view(spec.shape) if spec.nbytes else \
-                torch.empty(spec.shape, dtype=spec.dtype)
+            numel = spec.nbytes // spec.dtype.itemsize if spec.nbytes else 0
+            if numel == 0:
+                out[spec.key] = torch.empty(spec.shape, dtype=spec.dtype)
+                continue
+            flat = torch.frombuffer(self.mm, dtype=spec.dtype, count=numel,
+                                    offset=data_off + spec.offset)
+            out[spec.key] = flat.view(spec.shape)
         return out
 
 
