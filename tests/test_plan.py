@@ -59,7 +59,7 @@ def test_unbuilt_capabilities_are_refused_by_name(name):
         "micro_batches": Plan(micro_batches=2), "layout": Plan(layout="E t | t L"),
         "empty_layers": Plan(empty_layers=True), "recompute": Plan(recompute="norm"),
         "memory_budget": Plan(memory_budget=10), "offload": Plan(offload="all"),
-        "fusion": Plan(fusion=True), "overlap": Plan(overlap=True),
+        "overlap": Plan(overlap=True),
         "moe.capacity_factor": Plan(moe={"capacity_factor": 1.0}),
         "moe.hot_expert_replication": Plan(moe={"hot_expert_replication": True}),
         "moe.adaptive_recompute_threshold": Plan(moe={"adaptive_recompute_threshold": 8}),

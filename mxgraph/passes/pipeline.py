@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from mxgraph.errors import PlanError
 from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass
+from mxgraph.passes.fuse import fuse_pass
 from mxgraph.passes.runner import PassSpec
 
 FORWARD_PASSES = [
     PassSpec("remove_noop", remove_noop_pass, "forward",
              "first: later matchers then see no alias/detach/identity dropout between ops"),
+    PassSpec("fuse", fuse_pass, "forward",
+             "before autograd: AOTAutograd derives each fused op's backward from its formula"),
 ]
 
 JOINT_PASSES = [
