@@ -85,6 +85,20 @@ def test_half_written_snapshot_is_never_loaded(tmp_path, run_id):
     ck.close()
 
 
+def test_reserve_sizes_every_slot_up_front(tmp_path, run_id):
+    model, opt, sched = _tiny()
+    _train(model, opt, sched, 1)
+    ck = _ckpt(tmp_path, run_id, saver="none")
+    state = capture_training_state(model, opt, sched, 0)
+    ck.reserve(state)
+    sizes = [s.size for s in ck.slots]
+    nbytes = sum(t.numel() * t.element_size() for t in opt.state_dict()["state"][0].values())
+    assert all(size > nbytes for size in sizes)
+    assert ck.save(1, state).status == ck.save(2, state).status == "copied"
+    assert [s.size for s in ck.slots] == sizes  # no growth: the reservation was enough
+    ck.close()
+
+
 def test_save_skips_when_every_slot_awaits_disk(tmp_path, run_id):
     model, opt, sched = _tiny()
     ck = _ckpt(tmp_path, run_id, saver="none")

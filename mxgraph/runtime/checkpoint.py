@@ -33,8 +33,8 @@ from mxgraph.runtime import checkpoint_disk as disk
 from mxgraph.runtime import saver as saver_mod
 from mxgraph.runtime.checkpoint_state import apply_rng, apply_training_state, capture_rng, \
     capture_training_state, init_restartable_process_group
-from mxgraph.runtime.shm import COMPLETE, EMPTY, SHM_DIR, ShmSlot, SnapshotMeta, flatten_state, \
-    layout, list_segments, slot_path, unflatten_state, unlink_segments
+from mxgraph.runtime.shm import COMPLETE, EMPTY, HEADER_SIZE, SHM_DIR, ShmSlot, SnapshotMeta, \
+    flatten_state, layout, list_segments, slot_path, unflatten_state, unlink_segments
 
 logger = logging.getLogger("mxgraph.checkpoint")
 
@@ -169,6 +169,21 @@ class FlashCheckpointer:
     def _newest(self) -> ShmSlot | None:
         done = [s for s in self.slots if s.get("state") == COMPLETE]
         return max(done, key=lambda s: s.get("seq")) if done else None
+
+    def reserve(self, state: dict) -> float:
+        """Allocate and fault in every slot for a state like `state` (before training starts,
+        so that the first save is not the slow one). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        _, tensors = flatten_state(state, self.rank)
+        specs = layout(tensors)
+        nbytes = specs[-1].offset + specs[-1].nbytes if specs else 0
+        for s in self.slots:
+            s.try_lock(blocking=True)
+            try:  # metadata size is not known yet: leave 1 MiB for it
+                s.reserve(HEADER_SIZE + (1 << 20) + nbytes)
+            finally:
+                s.unlock()
+        return time.perf_counter() - t0
 
     def _free_slot(self) -> ShmSlot | None:
         """A slot to write, locked: never the newest snapshot, never one awaiting disk."""

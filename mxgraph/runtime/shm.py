@@ -228,17 +228,19 @@ class ShmSlot:
         os.close(self.fd)
 
     # -- snapshots -----------------------------------------------------------------------
+    def reserve(self, nbytes: int) -> None:
+        """Grow the file to hold `nbytes` (plus 1/16 slack), keeping its contents."""
+        if nbytes > self.size:
+            self._resize(_align(nbytes + nbytes // 16, 1 << 20))
+
     def write(self, meta: SnapshotMeta, tensors: list[torch.Tensor], *, persist: bool,
               owner_pid: int) -> int:
         """Copy a snapshot in (caller holds the lock). Returns the bytes copied."""
         meta_bytes = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
         data_off = _align(HEADER_SIZE + len(meta_bytes), 4096)
         data_len = meta.specs[-1].offset + meta.specs[-1].nbytes if meta.specs else 0
-        need = data_off + data_len
         self.set(state=WRITING)
-        if need > self.size:
-            self._resize(_align(need + need // 16, 1 << 20))
-            self.set(magic=MAGIC, version=VERSION, state=WRITING)
+        self.reserve(data_off + data_len)
         on_device = any(t.device.type != "cpu" for t in tensors)
         if on_device:
             self.pin()
