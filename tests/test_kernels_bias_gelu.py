@@ -8,7 +8,7 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hypothesis import Phase, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, example, given, settings, strategies as st  # noqa: E402
 
 from mxgraph.codegen.kernels import bias_gelu as K  # noqa: E402
 from mxgraph.codegen.kernels._testing import assert_close, opcheck  # noqa: E402
@@ -28,13 +28,14 @@ def _inputs(shape, dtype, seed=0):
 
 @SETTINGS
 @given(shape=SHAPES, dtype=st.sampled_from([torch.float32, torch.float16]), approximate=st.sampled_from(APPROX))
+@example(shape=(3, 423, 73), dtype=torch.float32, approximate="tanh")
 def test_triton_matches_reference(shape, dtype, approximate):
     x, bias, g = _inputs(shape, dtype)
     assert_close(K.bias_gelu_triton(x, bias, approximate), K.bias_gelu_reference(x, bias, approximate), msg="fwd")
     dx, dbias = K.bias_gelu_backward_triton(g, x, bias, approximate)
     want_dx, want_dbias = K.bias_gelu_backward_reference(g, x, bias, approximate)
     assert_close(dx, want_dx, msg="dx")
-    assert_close(dbias, want_dbias, tol={torch.float32: (1e-5, 1e-5), torch.float16: (2e-2, 2e-3)}, msg="dbias")
+    assert_close(dbias, want_dbias, tol={torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3)}, msg="dbias")
 
 
 @pytest.mark.parametrize("approximate", APPROX)

@@ -8,7 +8,7 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hypothesis import Phase, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, example, given, settings, strategies as st  # noqa: E402
 
 from mxgraph.codegen.kernels import KERNELS, swiglu as K  # noqa: E402
 from mxgraph.codegen.kernels._testing import assert_close, opcheck  # noqa: E402
@@ -28,6 +28,7 @@ def _inputs(shape, dtype, seed=0):
 
 @SETTINGS
 @given(shape=SHAPES, dtype=DTYPES, bias=st.booleans())
+@example(shape=(3, 423, 73), dtype=torch.float16, bias=True)
 def test_triton_matches_reference(shape, dtype, bias):
     a, b, ba, bb, g = _inputs(shape, dtype)
     biases = (ba, bb) if bias else ()
@@ -35,8 +36,7 @@ def test_triton_matches_reference(shape, dtype, bias):
     got = K.swiglu_backward_triton(g, a, b, *biases)
     want = K.swiglu_backward_reference(g, a, b, *biases)
     for i, (x, y) in enumerate(zip(got, want)):
-        tol = None if i < 2 else {dtype: (2e-2, 2e-3)}  # bias grads: sums of rounded terms
-        assert_close(x, y, tol=tol, msg=f"bwd[{i}]")
+        assert_close(x, y, msg=f"bwd[{i}]")  # bias grads: fp32 sums in both paths, rounded once
 
 
 def test_poisoned_outputs_catch_unwritten_elements(monkeypatch):

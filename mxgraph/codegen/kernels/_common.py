@@ -74,3 +74,9 @@ def on(kernel, device: torch.device):
 def num_warps_for(block_elems: int) -> int:
     """Warps for a program that holds ``block_elems`` values of one row in registers."""
     return 4 if block_elems <= 2048 else 8 if block_elems <= 8192 else 16
+
+
+def row_tiles(n_cols: int, elems: int = 2048) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_C)`` for kernels that tile ``[rows, n_cols]`` to reduce over rows."""
+    block_c = min(128, block_for(n_cols, lo=16))
+    return max(1, elems // block_c), block_c

@@ -119,6 +119,8 @@ def _launch(x, bias, residual, p, training, seed, offset):
     out = _common.new_output_like(x)
     numel = x.numel()
     dropout = bool(training and p > 0)
+    if not numel:
+        return out
     _common.on(_bda_kernel, x.device)[(triton.cdiv(numel, BLOCK),)](
         x, bias.contiguous() if bias is not None else x, residual.contiguous() if residual is not None else x,
         out, numel, x.shape[-1] if x.dim() else 1, _as_i32(offset), _as_i32(_seed_key(seed)), _threshold(p),

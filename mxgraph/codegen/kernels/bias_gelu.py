@@ -55,8 +55,7 @@ def bias_gelu_backward_reference(grad: Tensor, x: Tensor, bias: Tensor, approxim
 
 # --------------------------------------------------------------------------- triton
 @triton.jit
-def _bias_gelu_kernel(x_ptr, bias_ptr, g_ptr, out_ptr, numel, N, BACKWARD: tl.constexpr,
-                      TANH: tl.constexpr, BLOCK: tl.constexpr):
+def _bias_gelu_fwd_kernel(x_ptr, bias_ptr, out_ptr, numel, N, TANH: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -65,41 +64,61 @@ def _bias_gelu_kernel(x_ptr, bias_ptr, g_ptr, out_ptr, numel, N, BACKWARD: tl.co
         u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
         # tanh(u) without libdevice, free of cancellation where |tanh(u)| is close to 1
         e = tl.exp(-2.0 * tl.abs(u))
-        one_plus_t = tl.where(u >= 0, 2.0 / (1.0 + e), 2.0 * e / (1.0 + e))
-        if BACKWARD:
-            sech2 = 4.0 * e / ((1.0 + e) * (1.0 + e))
-            d = 0.5 * one_plus_t + 0.5 * h * sech2 * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
-        else:
-            y = 0.5 * h * one_plus_t
+        y = 0.5 * h * tl.where(u >= 0, 2.0 / (1.0 + e), 2.0 * e / (1.0 + e))
     else:
-        e = tl.math.erf(h * 0.7071067811865476)
-        if BACKWARD:
-            d = 0.5 * (1.0 + e) + h * tl.exp(-0.5 * h * h) * 0.3989422804014327
-        else:
-            y = 0.5 * h * (1.0 + e)
-    if BACKWARD:
-        y = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * d
+        y = 0.5 * h * (1.0 + tl.math.erf(h * 0.7071067811865476))
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, bias, grad, approximate, backward):
-    _check(approximate)
-    x, bias = x.contiguous(), bias.contiguous()
-    grad = grad.contiguous() if grad is not None else x
-    out = _common.new_output_like(x)
-    numel = x.numel()
-    _common.on(_bias_gelu_kernel, x.device)[(triton.cdiv(numel, BLOCK),)](
-        x, bias, grad, out, numel, x.shape[-1], BACKWARD=backward, TANH=approximate == "tanh", BLOCK=BLOCK)
-    return out
+@triton.jit
+def _bias_gelu_bwd_kernel(g_ptr, x_ptr, bias_ptr, dx_ptr, part_ptr, M, N, TANH: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A [BLOCK_R, BLOCK_C] tile of dx and its fp32 column sums (one row of bias-grad partials
+    per row-block)."""
+    pid_r = tl.program_id(0)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows[:, None] * N + cols[None, :]
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    h += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if TANH:
+        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
+        e = tl.exp(-2.0 * tl.abs(u))
+        one_plus_t = tl.where(u >= 0, 2.0 / (1.0 + e), 2.0 * e / (1.0 + e))
+        sech2 = 4.0 * e / ((1.0 + e) * (1.0 + e))
+        d = 0.5 * one_plus_t + 0.5 * h * sech2 * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * h * h)
+    else:
+        d = 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476)) + h * tl.exp(-0.5 * h * h) * 0.3989422804014327
+    dx = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * d
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(part_ptr + pid_r.to(tl.int64) * N + cols, tl.sum(tl.where(mask, dx, 0.0), axis=0), mask=cols < N)
 
 
 def bias_gelu_triton(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
-    return _launch(x, bias, None, approximate, backward=False)
+    _check(approximate)
+    x, bias = x.contiguous(), bias.contiguous()
+    out = _common.new_output_like(x)
+    numel = x.numel()
+    if numel:
+        _common.on(_bias_gelu_fwd_kernel, x.device)[(triton.cdiv(numel, BLOCK),)](
+            x, bias, out, numel, x.shape[-1], TANH=approximate == "tanh", BLOCK=BLOCK)
+    return out
 
 
 def bias_gelu_backward_triton(grad: Tensor, x: Tensor, bias: Tensor, approximate: str = "none"):
-    dx = _launch(x, bias, grad, approximate, backward=True)
-    return dx, _common.sum_to_last_dim(dx).to(bias.dtype)
+    _check(approximate)
+    grad, x, bias = grad.contiguous(), x.contiguous(), bias.contiguous()
+    dx = _common.new_output_like(x)
+    n = x.shape[-1]
+    m = x.numel() // max(n, 1)
+    block_r, block_c = _common.row_tiles(n)
+    grid = (triton.cdiv(m, block_r), triton.cdiv(n, block_c))
+    part = _common.new_output((grid[0], n), dtype=torch.float32, device=x.device)
+    if m and n:
+        _common.on(_bias_gelu_bwd_kernel, x.device)[grid](
+            grad, x, bias, dx, part, m, n, TANH=approximate == "tanh", BLOCK_R=block_r, BLOCK_C=block_c)
+    return dx, part.sum(0).to(bias.dtype)
 
 
 # --------------------------------------------------------------------------- custom ops

@@ -67,22 +67,30 @@ def _swiglu_fwd_kernel(a_ptr, b_ptr, bias_a_ptr, bias_b_ptr, out_ptr, numel, N,
 
 
 @triton.jit
-def _swiglu_bwd_kernel(g_ptr, a_ptr, b_ptr, bias_a_ptr, bias_b_ptr, da_ptr, db_ptr, numel, N,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+def _swiglu_bwd_kernel(g_ptr, a_ptr, b_ptr, bias_a_ptr, bias_b_ptr, da_ptr, db_ptr, part_a_ptr, part_b_ptr, M, N,
+                       HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A [BLOCK_R, BLOCK_C] tile of da, db; with biases also its fp32 column sums (bias-grad
+    partials, one row of ``part_*`` per row-block)."""
+    pid_r = tl.program_id(0)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows[:, None] * N + cols[None, :]
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        col = offs % N
-        a += tl.load(bias_a_ptr + col, mask=mask, other=0.0).to(tl.float32)
-        b += tl.load(bias_b_ptr + col, mask=mask, other=0.0).to(tl.float32)
+        a += tl.load(bias_a_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        b += tl.load(bias_b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     sig = 1.0 / (1.0 + tl.exp(-a))
     da = g * b * sig * (1.0 + a * (1.0 - sig))
     db = g * a * sig
     tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
     tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        part = pid_r.to(tl.int64) * N + cols
+        tl.store(part_a_ptr + part, tl.sum(tl.where(mask, da, 0.0), axis=0), mask=cols < N)
+        tl.store(part_b_ptr + part, tl.sum(tl.where(mask, db, 0.0), axis=0), mask=cols < N)
 
 
 def swiglu_triton(a: Tensor, b: Tensor, bias_a: Tensor | None = None, bias_b: Tensor | None = None) -> Tensor:
@@ -92,8 +100,9 @@ def swiglu_triton(a: Tensor, b: Tensor, bias_a: Tensor | None = None, bias_b: Te
     has_bias = bias_a is not None
     bias_a = bias_a.contiguous() if has_bias else a
     bias_b = bias_b.contiguous() if has_bias else a
-    _common.on(_swiglu_fwd_kernel, a.device)[(triton.cdiv(numel, BLOCK),)](
-        a, b, bias_a, bias_b, out, numel, n, HAS_BIAS=has_bias, BLOCK=BLOCK)
+    if numel:
+        _common.on(_swiglu_fwd_kernel, a.device)[(triton.cdiv(numel, BLOCK),)](
+            a, b, bias_a, bias_b, out, numel, n, HAS_BIAS=has_bias, BLOCK=BLOCK)
     return out
 
 
@@ -101,15 +110,19 @@ def swiglu_backward_triton(grad: Tensor, a: Tensor, b: Tensor, bias_a: Tensor | 
                            bias_b: Tensor | None = None):
     grad, a, b = grad.contiguous(), a.contiguous(), b.contiguous()
     da, db = _common.new_output_like(a), _common.new_output_like(b)
-    numel, n = a.numel(), a.shape[-1]
+    n = a.shape[-1]
+    m = a.numel() // max(n, 1)
     has_bias = bias_a is not None
-    ba = bias_a.contiguous() if has_bias else a
-    bb = bias_b.contiguous() if has_bias else a
-    _common.on(_swiglu_bwd_kernel, a.device)[(triton.cdiv(numel, BLOCK),)](
-        grad, a, b, ba, bb, da, db, numel, n, HAS_BIAS=has_bias, BLOCK=BLOCK)
+    block_r, block_c = _common.row_tiles(n)
+    grid = (triton.cdiv(m, block_r), triton.cdiv(n, block_c))
+    parts = [_common.new_output((grid[0], n), dtype=torch.float32, device=a.device) for _ in range(2 if has_bias else 0)]
+    if m and n:
+        _common.on(_swiglu_bwd_kernel, a.device)[grid](
+            grad, a, b, bias_a.contiguous() if has_bias else a, bias_b.contiguous() if has_bias else a, da, db,
+            *(parts or (a, a)), m, n, HAS_BIAS=has_bias, BLOCK_R=block_r, BLOCK_C=block_c)
     if not has_bias:
         return da, db
-    return (da, db, _common.sum_to_last_dim(da).to(bias_a.dtype), _common.sum_to_last_dim(db).to(bias_b.dtype))
+    return da, db, parts[0].sum(0).to(bias_a.dtype), parts[1].sum(0).to(bias_b.dtype)
 
 
 # --------------------------------------------------------------------------- custom ops
