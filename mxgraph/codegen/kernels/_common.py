@@ -29,6 +29,15 @@ def new_output_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.
     return new_output(t.shape, dtype=dtype or t.dtype, device=t.device)
 
 
+def contiguous_outputs(result):
+    """An op's outputs made contiguous, as its fake implementation declares them: the plain-torch
+    references keep a non-contiguous input's layout, and a compiled graph that views an output
+    (``aten.view``) relies on the strides the fake promised."""
+    if isinstance(result, torch.Tensor):
+        return result.contiguous()
+    return tuple(r.contiguous() if isinstance(r, torch.Tensor) else r for r in result)
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """The custom ops run their Triton path on ``cuda`` tensors (MXMACA included)."""
     return tensors[0].device.type == "cuda"

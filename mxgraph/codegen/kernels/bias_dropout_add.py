@@ -143,7 +143,7 @@ def bias_dropout_add(x: Tensor, bias: Tensor | None, residual: Tensor, p: float,
                      offset: int) -> Tensor:
     """``residual + dropout(x + bias, p)`` with the counter-based mask of this module."""
     impl = bias_dropout_add_triton if _common.use_triton(x) else bias_dropout_add_reference
-    return impl(x, bias, residual, p, training, seed, offset)
+    return _common.contiguous_outputs(impl(x, bias, residual, p, training, seed, offset))
 
 
 @bias_dropout_add.register_fake
@@ -155,7 +155,7 @@ def _(x, bias, residual, p, training, seed, offset):
 def bias_dropout_add_backward(grad: Tensor, p: float, training: bool, seed: int, offset: int) -> Tensor:
     """``grad * keep / (1 - p)``: the gradient of ``x`` (and, summed, of ``bias``)."""
     impl = bias_dropout_add_backward_triton if _common.use_triton(grad) else bias_dropout_add_backward_reference
-    return impl(grad, p, training, seed, offset)
+    return _common.contiguous_outputs(impl(grad, p, training, seed, offset))
 
 
 @bias_dropout_add_backward.register_fake

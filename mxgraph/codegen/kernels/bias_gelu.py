@@ -126,7 +126,7 @@ def bias_gelu_backward_triton(grad: Tensor, x: Tensor, bias: Tensor, approximate
 def bias_gelu(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     """``gelu(x + bias, approximate=approximate)``."""
     impl = bias_gelu_triton if _common.use_triton(x) else bias_gelu_reference
-    return impl(x, bias, approximate)
+    return _common.contiguous_outputs(impl(x, bias, approximate))
 
 
 @bias_gelu.register_fake
@@ -138,7 +138,7 @@ def _(x, bias, approximate="none"):
 @torch.library.custom_op("mxgraph::bias_gelu_backward", mutates_args=())
 def bias_gelu_backward(grad: Tensor, x: Tensor, bias: Tensor, approximate: str = "none") -> tuple[Tensor, Tensor]:
     impl = bias_gelu_backward_triton if _common.use_triton(x) else bias_gelu_backward_reference
-    return impl(grad, x, bias, approximate)
+    return _common.contiguous_outputs(impl(grad, x, bias, approximate))
 
 
 @bias_gelu_backward.register_fake

@@ -146,7 +146,7 @@ def _use(x):
 @torch.library.custom_op("mxgraph::rmsnorm", mutates_args=())
 def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Returns ``(y, rstd)``."""
-    return (rmsnorm_triton if _use(x) else rmsnorm_reference)(x, weight, eps)
+    return _common.contiguous_outputs((rmsnorm_triton if _use(x) else rmsnorm_reference)(x, weight, eps))
 
 
 @rmsnorm.register_fake
@@ -157,7 +157,7 @@ def _(x, weight, eps):
 @torch.library.custom_op("mxgraph::add_rmsnorm", mutates_args=())
 def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(y, new_residual, rstd)`` with ``new_residual = x + residual``."""
-    return (add_rmsnorm_triton if _use(x) else add_rmsnorm_reference)(x, residual, weight, eps)
+    return _common.contiguous_outputs((add_rmsnorm_triton if _use(x) else add_rmsnorm_reference)(x, residual, weight, eps))
 
 
 @add_rmsnorm.register_fake
@@ -170,7 +170,7 @@ def _(x, residual, weight, eps):
 def rmsnorm_backward(grad_y: Tensor, h: Tensor, weight: Tensor, rstd: Tensor,
                      grad_residual: Tensor | None) -> tuple[Tensor, Tensor]:
     impl = rmsnorm_backward_triton if _use(h) else rmsnorm_backward_reference
-    return impl(grad_y, h, weight, rstd, grad_residual)
+    return _common.contiguous_outputs(impl(grad_y, h, weight, rstd, grad_residual))
 
 
 @rmsnorm_backward.register_fake

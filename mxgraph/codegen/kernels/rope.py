@@ -130,7 +130,7 @@ def rope_backward_triton(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tenso
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> tuple[Tensor, Tensor]:
     """Rotate ``q`` and ``k`` (``[B, S, H, D]``) by ``cos``/``sin`` (``[S, rot_dim]``)."""
     impl = rope_triton if _common.use_triton(q) else rope_reference
-    return impl(q, k, cos, sin, interleaved)
+    return _common.contiguous_outputs(impl(q, k, cos, sin, interleaved))
 
 
 @rope.register_fake
@@ -144,7 +144,7 @@ def _(q, k, cos, sin, interleaved=False):
 def rope_backward(grad_q: Tensor, grad_k: Tensor, cos: Tensor, sin: Tensor,
                   interleaved: bool = False) -> tuple[Tensor, Tensor]:
     impl = rope_backward_triton if _common.use_triton(grad_q) else rope_backward_reference
-    return impl(grad_q, grad_k, cos, sin, interleaved)
+    return _common.contiguous_outputs(impl(grad_q, grad_k, cos, sin, interleaved))
 
 
 @rope_backward.register_fake

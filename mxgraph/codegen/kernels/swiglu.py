@@ -130,7 +130,7 @@ def swiglu_backward_triton(grad: Tensor, a: Tensor, b: Tensor, bias_a: Tensor | 
 def swiglu(a: Tensor, b: Tensor) -> Tensor:
     """``silu(a) * b``."""
     impl = swiglu_triton if _common.use_triton(a) else swiglu_reference
-    return impl(a, b)
+    return _common.contiguous_outputs(impl(a, b))
 
 
 @swiglu.register_fake
@@ -141,7 +141,7 @@ def _(a, b):
 @torch.library.custom_op("mxgraph::swiglu_backward", mutates_args=())
 def swiglu_backward(grad: Tensor, a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     impl = swiglu_backward_triton if _common.use_triton(a) else swiglu_backward_reference
-    return impl(grad, a, b)
+    return _common.contiguous_outputs(impl(grad, a, b))
 
 
 @swiglu_backward.register_fake
@@ -165,7 +165,7 @@ swiglu.register_autograd(_swiglu_bwd, setup_context=_swiglu_setup)
 def bias_swiglu(a: Tensor, b: Tensor, bias_a: Tensor, bias_b: Tensor) -> Tensor:
     """``silu(a + bias_a) * (b + bias_b)``."""
     impl = swiglu_triton if _common.use_triton(a) else swiglu_reference
-    return impl(a, b, bias_a, bias_b)
+    return _common.contiguous_outputs(impl(a, b, bias_a, bias_b))
 
 
 @bias_swiglu.register_fake
@@ -177,7 +177,7 @@ def _(a, b, bias_a, bias_b):
 def bias_swiglu_backward(grad: Tensor, a: Tensor, b: Tensor, bias_a: Tensor,
                          bias_b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     impl = swiglu_backward_triton if _common.use_triton(a) else swiglu_backward_reference
-    return impl(grad, a, b, bias_a, bias_b)
+    return _common.contiguous_outputs(impl(grad, a, b, bias_a, bias_b))
 
 
 @bias_swiglu_backward.register_fake
