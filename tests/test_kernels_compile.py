@@ -99,6 +99,7 @@ def _run_all_triton_paths(dtype):
         rope.rope_triton(q, k, cos, cos, inter)
         rope.rope_backward_triton(q, k, cos, cos, inter)
     q, kv = mk(1, 4, 8, 128), mk(1, 2, 8, 128)
+    gqa.gqa_attention_triton(q.float(), kv.float(), kv.float(), True, 0.1)  # fp32: ieee dots
     for causal in (False, True):
         gqa.gqa_attention_triton(q, kv, kv, causal, 0.1)
         gqa.gqa_attention_backward_triton(q, torch.zeros(1, 4, 8), q, kv, kv, q, torch.zeros(1, 4, 8), causal, 0.1)

@@ -84,7 +84,7 @@ def gqa_attention_backward_reference(grad_out: Tensor, grad_lse: Tensor | None, 
 
 # --------------------------------------------------------------------------- triton
 @triton.jit
-def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Hq, Hkv, Sq, Sk, D, scale, CAUSAL: tl.constexpr,
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Hq, Hkv, Sq, Sk, D, scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -108,7 +108,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Hq, Hkv, Sq, Sk, D, scale, 
         n = start_n + offs_n
         kvmask = (n < Sk)[:, None] & dmask[None, :]
         k = tl.load(k_ptr + kv_base + n[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         valid = (n < Sk)[None, :] & (offs_m >= 0)[:, None]
         if CAUSAL:
             valid = valid & (n[None, :] <= offs_m[:, None])
@@ -118,7 +118,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Hq, Hkv, Sq, Sk, D, scale, 
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + kv_base + n[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o_ptr + q_base + offs_m[:, None] * D + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=qmask)
@@ -127,7 +127,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Hq, Hkv, Sq, Sk, D, scale, 
 
 @triton.jit
 def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, Hq, Hkv, Sq, Sk, D, scale,
-                     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                     CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     b = bhk // Hkv
@@ -157,15 +158,15 @@ def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
             do = tl.load(do_ptr + q_base + m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
             lse = tl.load(lse_ptr + row_base + m, mask=m < Sq, other=0.0)
             delta = tl.load(delta_ptr + row_base + m, mask=m < Sq, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             valid = (m < Sq)[:, None] & (offs_n < Sk)[None, :]
             if CAUSAL:
                 valid = valid & (offs_n[None, :] <= m[:, None])
             p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            dp = tl.dot(do, tl.trans(v))
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
     tl.store(dk_ptr + kv_base + offs_n[:, None] * D + offs_d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty),
              mask=kvmask)
     tl.store(dv_ptr + kv_base + offs_n[:, None] * D + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kvmask)
@@ -173,7 +174,8 @@ def _bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv
 
 @triton.jit
 def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, Hq, Hkv, Sq, Sk, D, scale,
-                   CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // Hq
@@ -198,16 +200,21 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, Hq, 
         kvmask = (n < Sk)[:, None] & dmask[None, :]
         k = tl.load(k_ptr + kv_base + n[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
         v = tl.load(v_ptr + kv_base + n[:, None] * D + offs_d[None, :], mask=kvmask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         valid = (offs_m < Sq)[:, None] & (n < Sk)[None, :]
         if CAUSAL:
             valid = valid & (n[None, :] <= offs_m[:, None])
         p = tl.where(valid, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(dq_ptr + q_base + offs_m[:, None] * D + offs_d[None, :], (dq * scale).to(dq_ptr.dtype.element_ty),
              mask=qmask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get exact fp32 products (a GPU would use TF32 otherwise); 16-bit inputs ignore it
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _blocks(device: torch.device, d: int):
@@ -224,7 +231,8 @@ def gqa_attention_triton(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: f
     bm, bn, bd = _blocks(q.device, d)
     if b * hq * sq:
         _common.on(_fwd_kernel, q.device)[(triton.cdiv(sq, bm), b * hq)](
-            q, k, v, out, lse, hq, hkv, sq, sk, d, scale, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd)
+            q, k, v, out, lse, hq, hkv, sq, sk, d, scale, CAUSAL=causal, PRECISION=_precision(q.dtype), BLOCK_M=bm,
+            BLOCK_N=bn, BLOCK_D=bd)
     return out, lse
 
 
@@ -239,7 +247,7 @@ def gqa_attention_backward_triton(grad_out: Tensor, grad_lse: Tensor | None, q: 
     dq, dk, dv = _common.new_output_like(q), _common.new_output_like(k), _common.new_output_like(v)
     bm, bn, bd = _blocks(q.device, d)
     # two [BLOCK_N, D] fp32 accumulators (dK, dV) per program: 8 warps keep them in registers
-    args = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=8)
+    args = dict(CAUSAL=causal, PRECISION=_precision(q.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd, num_warps=8)
     if b * hkv * sk:
         _common.on(_bwd_dkdv_kernel, q.device)[(triton.cdiv(sk, bn), b * hkv)](
             q, k, v, do, lse, delta, dk, dv, hq, hkv, sq, sk, d, scale, **args)
