@@ -221,10 +221,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s saver[%(process)d] %(message)s")
     fd = os.open(lock_path(args.run_id, args.shm_dir), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return 0  # another saver of this run is alive on this node
+    for _ in range(100):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:  # a live saver, or a worker probing for one (shared lock)
+            raw = os.pread(fd, 32, 0).decode().strip()
+            if raw.isdigit() and pid_alive(int(raw)):
+                os.close(fd)
+                return 0  # another saver of this run is alive on this node
+            time.sleep(0.01)
+    else:
+        os.close(fd)
+        return 1
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     loop = SaverLoop(run_id=args.run_id, directory=args.directory, keep=args.keep,
