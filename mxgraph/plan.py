@@ -8,6 +8,7 @@ rest against the traced graph. A field that asks for a capability not built yet 
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,7 +78,10 @@ class Plan:
     memory_budget: int | None = None
     """Activation-memory budget in bytes; the remat pass picks what to recompute."""
     offload: str = ""
-    """Activation offload: "all" or a comma list of modules (attn, mlp, ...); empty = off."""
+    """Activation offload: "all" or a comma list of kinds (attn, mlp, norm, act, moe), each
+    optionally scoped "stageN:kind" or "layerN:kind" (e.g. "stage0:all"); empty = off."""
+    offload_prefetch: int = 1
+    """Backward nodes between the prefetch of an offloaded value and its first use."""
     fusion: bool | str = False
     """Flash Fusion: True = all fused kernels, False = none, or a comma list of names."""
     overlap: bool = False
@@ -116,8 +120,9 @@ class Plan:
         for stage, policy in self.recompute_stages.items():
             for kind in parse_list(policy):
                 _check_choice(f"recompute_stages[{stage}]", kind, RECOMPUTE_KINDS)
-        for kind in parse_list(self.offload):
-            _check_choice("offload", kind, OFFLOAD_KINDS)
+        parse_offload(self.offload)
+        if not isinstance(self.offload_prefetch, int) or self.offload_prefetch < 0:
+            raise PlanError(f"offload_prefetch={self.offload_prefetch!r} must be an integer >= 0")
         for kind in self.fusion_kinds():
             _check_choice("fusion", kind, FUSION_KINDS)
         if self.memory_budget is not None and self.memory_budget <= 0:
@@ -206,6 +211,19 @@ def parse_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in (text or "").split(",") if part.strip())
 
 
+def parse_offload(text: str) -> list[tuple[str | None, str]]:
+    """'attn, stage0:all, layer2:mlp' -> [(None, 'attn'), ('stage0', 'all'), ('layer2', 'mlp')]."""
+    entries = []
+    for part in parse_list(text):
+        scope, _, kind = part.rpartition(":")
+        if scope and not re.fullmatch(r"(stage|layer)\d+", scope):
+            raise PlanError(f"offload: scope {scope!r} in {part!r} is unknown; write "
+                            f"stageN:kind or layerN:kind")
+        _check_choice("offload", kind, OFFLOAD_KINDS)
+        entries.append((scope or None, kind))
+    return entries
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -230,7 +248,6 @@ NOT_BUILT = [
     ("cp", lambda p: p.cp > 1, "context parallelism"),
     ("zero1", lambda p: p.zero1, "ZeRO-1 optimizer sharding"),
     ("empty_layers", lambda p: p.empty_layers, "empty-layer padding"),
-    ("offload", lambda p: bool(p.offload), "activation offload"),
     ("overlap", lambda p: p.overlap, "comm-compute overlap passes"),
     ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),
     ("moe.hot_expert_replication", lambda p: p.moe.hot_expert_replication,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from mxgraph.errors import PlanError
 from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass
+from mxgraph.passes.offload import offload_pass
+from mxgraph.passes.remat import remat_pass
 from mxgraph.passes.fuse import fuse_pass
 from mxgraph.passes.runner import PassSpec
 
@@ -21,6 +23,10 @@ FORWARD_PASSES = [
 JOINT_PASSES = [
     PassSpec("remove_noop_joint", remove_noop_pass, "joint",
              "AOTAutograd leaves detach nodes for saved values; drop them before analyses"),
+    PassSpec("remat", remat_pass, "joint",
+             "first memory pass: decides saved vs recomputed before offload moves what is saved"),
+    PassSpec("offload", offload_pass, "joint",
+             "after remat: only values that stay saved are worth moving to the host"),
     PassSpec("dead_code", dead_code_pass, "joint",
              "last: removes what earlier rewrites left unused (keeps random ops)"),
 ]
