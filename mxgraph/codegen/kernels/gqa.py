@@ -262,7 +262,7 @@ def gqa_attention_backward_triton(grad_out: Tensor, grad_lse: Tensor | None, q: 
 def gqa_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """Attention of ``q`` heads over fewer ``k``/``v`` heads; returns ``(out, lse)``."""
     impl = gqa_attention_triton if _common.use_triton(q) else gqa_attention_reference
-    return impl(q, k, v, causal, scale)
+    return _common.contiguous_outputs(impl(q, k, v, causal, scale))
 
 
 @gqa_attention.register_fake
@@ -275,7 +275,7 @@ def _(q, k, v, causal, scale):
 def gqa_attention_backward(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                            lse: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     impl = gqa_attention_backward_triton if _common.use_triton(q) else gqa_attention_backward_reference
-    return impl(grad_out, grad_lse, q, k, v, out, lse, causal, scale)
+    return _common.contiguous_outputs(impl(grad_out, grad_lse, q, k, v, out, lse, causal, scale))
 
 
 @gqa_attention_backward.register_fake

@@ -165,7 +165,7 @@ def linear_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, chunk_size:
                          ignore_index: int = -100) -> tuple[Tensor, Tensor]:
     """``F.cross_entropy(x @ weight.T, targets, ignore_index=...)`` in chunks; returns ``(loss, lse)``."""
     impl = linear_cross_entropy_triton if _common.use_triton(x) else linear_cross_entropy_reference
-    return impl(x, weight, targets, chunk_size, ignore_index)
+    return _common.contiguous_outputs(impl(x, weight, targets, chunk_size, ignore_index))
 
 
 @linear_cross_entropy.register_fake
@@ -178,7 +178,7 @@ def _(x, weight, targets, chunk_size, ignore_index=-100):
 def linear_cross_entropy_backward(grad_loss: Tensor, x: Tensor, weight: Tensor, targets: Tensor, lse: Tensor,
                                   chunk_size: int, ignore_index: int = -100) -> tuple[Tensor, Tensor]:
     impl = linear_cross_entropy_backward_triton if _common.use_triton(x) else linear_cross_entropy_backward_reference
-    return impl(grad_loss, x, weight, targets, lse, chunk_size, ignore_index)
+    return _common.contiguous_outputs(impl(grad_loss, x, weight, targets, lse, chunk_size, ignore_index))
 
 
 @linear_cross_entropy_backward.register_fake

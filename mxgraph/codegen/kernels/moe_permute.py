@@ -219,7 +219,8 @@ def _use(x):
 @torch.library.custom_op("mxgraph::moe_permute", mutates_args=())
 def moe_permute(x: Tensor, topk_ids: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """Dropless: ``(x_sorted [T*K, D], row_map [T*K], counts [E])``."""
-    return (moe_permute_triton if _use(x) else moe_permute_reference)(x, topk_ids, num_experts)
+    impl = moe_permute_triton if _use(x) else moe_permute_reference
+    return _common.contiguous_outputs(impl(x, topk_ids, num_experts))
 
 
 @moe_permute.register_fake
@@ -233,8 +234,8 @@ def _(x, topk_ids, num_experts):
 @torch.library.custom_op("mxgraph::moe_permute_capacity", mutates_args=())
 def moe_permute_capacity(x: Tensor, topk_ids: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor, Tensor]:
     """Capacity-padded: ``(x_padded [E, C, D], slot_map [T*K] (-1: dropped), counts [E])``."""
-    return (moe_permute_capacity_triton if _use(x) else moe_permute_capacity_reference)(
-        x, topk_ids, num_experts, capacity)
+    impl = moe_permute_capacity_triton if _use(x) else moe_permute_capacity_reference
+    return _common.contiguous_outputs(impl(x, topk_ids, num_experts, capacity))
 
 
 @moe_permute_capacity.register_fake
@@ -248,8 +249,8 @@ def _(x, topk_ids, num_experts, capacity):
 @torch.library.custom_op("mxgraph::moe_permute_backward", mutates_args=())
 def moe_permute_backward(grad_rows: Tensor, row_map: Tensor, topk: int) -> Tensor:
     """``grad_x[t] = sum_k grad_rows[row_map[t*K + k]]``."""
-    return (moe_permute_backward_triton if _use(grad_rows) else moe_permute_backward_reference)(
-        grad_rows, row_map, topk)
+    impl = moe_permute_backward_triton if _use(grad_rows) else moe_permute_backward_reference
+    return _common.contiguous_outputs(impl(grad_rows, row_map, topk))
 
 
 @moe_permute_backward.register_fake
@@ -260,7 +261,8 @@ def _(grad_rows, row_map, topk):
 @torch.library.custom_op("mxgraph::moe_unpermute", mutates_args=())
 def moe_unpermute(y_rows: Tensor, row_map: Tensor, probs: Tensor) -> Tensor:
     """``out[t] = sum_k probs[t, k] * y_rows[row_map[t*K + k]]``."""
-    return (moe_unpermute_triton if _use(y_rows) else moe_unpermute_reference)(y_rows, row_map, probs)
+    impl = moe_unpermute_triton if _use(y_rows) else moe_unpermute_reference
+    return _common.contiguous_outputs(impl(y_rows, row_map, probs))
 
 
 @moe_unpermute.register_fake
@@ -270,8 +272,8 @@ def _(y_rows, row_map, probs):
 
 @torch.library.custom_op("mxgraph::moe_unpermute_backward", mutates_args=())
 def moe_unpermute_backward(grad_out: Tensor, y_rows: Tensor, row_map: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:
-    return (moe_unpermute_backward_triton if _use(grad_out) else moe_unpermute_backward_reference)(
-        grad_out, y_rows, row_map, probs)
+    impl = moe_unpermute_backward_triton if _use(grad_out) else moe_unpermute_backward_reference
+    return _common.contiguous_outputs(impl(grad_out, y_rows, row_map, probs))
 
 
 @moe_unpermute_backward.register_fake

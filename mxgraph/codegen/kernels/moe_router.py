@@ -218,7 +218,8 @@ def moe_router(logits: Tensor, expert_bias: Tensor | None, topk: int, score_func
                route_scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(probs [T, K] fp32, topk_ids [T, K] int64, counts [E] int64)``."""
     impl = moe_router_triton if _common.use_triton(logits) else moe_router_reference
-    return impl(logits, expert_bias, topk, score_func, num_groups, topk_groups, normalize, route_scale)
+    return _common.contiguous_outputs(
+        impl(logits, expert_bias, topk, score_func, num_groups, topk_groups, normalize, route_scale))
 
 
 @moe_router.register_fake
@@ -234,7 +235,7 @@ def _(logits, expert_bias, topk, score_func="softmax", num_groups=1, topk_groups
 def moe_router_backward(grad_probs: Tensor, logits: Tensor, topk_ids: Tensor, score_func: str = "softmax",
                         normalize: bool = False, route_scale: float = 1.0) -> Tensor:
     impl = moe_router_backward_triton if _common.use_triton(logits) else moe_router_backward_reference
-    return impl(grad_probs, logits, topk_ids, score_func, normalize, route_scale)
+    return _common.contiguous_outputs(impl(grad_probs, logits, topk_ids, score_func, normalize, route_scale))
 
 
 @moe_router_backward.register_fake
