@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mxgraph.runtime import checkpoint_disk as disk
-from mxgraph.runtime.checkpoint import FlashCheckpointer, apply_training_state, \
+from mxgraph.runtime.checkpoint import FlashCheckpointer, Shard, apply_training_state, \
     capture_training_state
 from mxgraph.runtime.shm import WRITING, segment_prefix
 
@@ -187,3 +187,38 @@ def test_step_resaved_after_restart_replaces_the_lost_attempt(tmp_path, run_id):
     got = fresh.restore()
     fresh.close()
     assert got.step == 5 and got.state["rank_local"]["data_position"] == "new"
+
+
+def test_shards_load_whole_at_another_world_size(tmp_path, run_id):
+    """Two ranks (simulated in one process) save row shards of one tensor; at world size 1
+    the tensor comes back whole, at the saving layout each rank gets its own rows."""
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    bias = torch.ones(6)
+    ranks = [_ckpt(tmp_path, run_id, rank=r, world_size=2) for r in range(2)]
+    ranks[1].incarnation = ranks[0].incarnation  # agreed over the process group in real runs
+    for r, ck in enumerate(ranks):
+        state = {"model": {"w": Shard(full[2 * r:2 * r + 2].clone(), (4, 6), (2 * r, 0)),
+                           "b": bias},
+                 "rank_local": {"data_position": r}}
+        assert ck.save(3, state, persist=True).status == "copied"
+        ck.wait_persisted()
+    for ck in reversed(ranks):  # rank 0 commits once every part is on disk
+        ck.close()
+
+    one = _ckpt(tmp_path, f"{run_id}-one", saver="none")
+    got = one.restore()
+    one.close()
+    assert one.restore_info.resharded and got.step == 3
+    w = got.state["model"]["w"]
+    assert torch.equal(w.local, full) and w.offsets == (0, 0)
+    assert torch.equal(got.state["model"]["b"], bias)
+
+    again = _ckpt(tmp_path, f"{run_id}-two", saver="none", rank=1, world_size=2)
+    target = {"model": {"w": Shard(torch.zeros(2, 6), (4, 6), (2, 0)), "b": torch.zeros(6)}}
+    got = again.restore(into=target)
+    again.close()
+    w = got.state["model"]["w"]
+    assert not again.restore_info.resharded and w.offsets == (2, 0)
+    assert torch.equal(w.local, full[2:])
+    assert w.local.data_ptr() == target["model"]["w"].local.data_ptr()  # filled in place
+    assert got.state["rank_local"]["data_position"] == 1

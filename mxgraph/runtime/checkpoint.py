@@ -33,19 +33,20 @@ from mxgraph.runtime import checkpoint_disk as disk
 from mxgraph.runtime import saver as saver_mod
 from mxgraph.runtime.checkpoint_state import apply_rng, apply_training_state, capture_rng, \
     capture_training_state, init_restartable_process_group
-from mxgraph.runtime.shm import COMPLETE, EMPTY, HEADER_SIZE, SHM_DIR, ShmSlot, SnapshotMeta, \
-    flatten_state, layout, list_segments, slot_path, unflatten_state, unlink_segments
+from mxgraph.runtime.shm import COMPLETE, EMPTY, HEADER_SIZE, SHM_DIR, Shard, ShmSlot, \
+    SnapshotMeta, flatten_state, layout, list_segments, slot_path, unflatten_state, \
+    unlink_segments
 
 logger = logging.getLogger("mxgraph.checkpoint")
 
-__all__ = ["FlashCheckpointer", "RestoreInfo", "Restored", "SaveResult", "apply_rng",
+__all__ = ["FlashCheckpointer", "RestoreInfo", "Restored", "SaveResult", "Shard", "apply_rng",
            "apply_training_state", "capture_rng", "capture_training_state", "default_run_id",
            "init_restartable_process_group"]
 
 
 @dataclasses.dataclass(frozen=True)
 class SaveResult:
-    status: str  # "copied" | "skipped" (no free slot: previous snapshot still persisting) | "failed"
+    status: str  # "copied" | "skipped" (no free slot: older snapshots still persisting) | "failed"
     step: int
     blocking_s: float  # time save() held the caller
     nbytes: int = 0
@@ -338,7 +339,8 @@ class FlashCheckpointer:
             saved = disk.saved_world_size(path)
             info.source, info.path = "disk", path
             info.resharded = saved != self.world_size
-            return step, disk.load(path, source_rank=self.rank % saved, targets=targets)
+            return step, disk.load(path, source_rank=self.rank % saved, targets=targets,
+                                   same_layout=not info.resharded)
         if info.skipped:
             logger.warning("flash checkpoint: no usable checkpoint in %s", self.directory)
         return None

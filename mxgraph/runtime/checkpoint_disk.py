@@ -34,9 +34,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, \
+    TensorStorageMetadata
 
-from mxgraph.runtime.shm import SnapshotMeta, TensorRef, unflatten_state
+from mxgraph.runtime.shm import Shard, ShardRef, SnapshotMeta, TensorRef, unflatten_state
 
 logger = logging.getLogger("mxgraph.checkpoint")
 
@@ -93,6 +94,24 @@ def _quiet(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def collect_refs(skeleton: Any) -> list[TensorRef]:
+    """Every TensorRef (and ShardRef) in a skeleton, in order."""
+    refs: list[TensorRef] = []
+
+    def walk(obj: Any) -> None:
+        if isinstance(obj, TensorRef):
+            refs.append(obj)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+
+    walk(skeleton)
+    return refs
+
+
 def _read_json(path: str) -> dict | None:
     try:
         with open(path) as f:
@@ -131,8 +150,10 @@ def persist_rank(directory: str, meta: SnapshotMeta, tensors: dict[str, torch.Te
     files = {name: {"crc32": file_crc32(os.path.join(part, name)),
                     "size": os.path.getsize(os.path.join(part, name))}
              for name in sorted(os.listdir(part)) if not name.endswith(".tmp")}
+    shards = {r.key: {"global_shape": list(r.global_shape), "offsets": list(r.offsets)}
+              for r in collect_refs(meta.skeleton) if isinstance(r, ShardRef)}
     manifest = {"step": meta.step, "rank": meta.rank, "world_size": meta.world_size,
-                "incarnation": meta.incarnation, "files": files}
+                "incarnation": meta.incarnation, "shards": shards, "files": files}
     _write_atomic(os.path.join(part, MANIFEST), json.dumps(manifest).encode(), fsync)
     return part
 
@@ -161,24 +182,35 @@ def try_commit(path: str, *, fsync: bool = True) -> bool:
     if len({m.get("incarnation") for m in manifests.values()}) != 1:
         return False  # some parts are from a lost attempt; wait for them to be replaced
     merged = Metadata(state_dict_metadata={}, planner_data={}, storage_data={})
-    owner: dict[str, int] = {}
+    owner: dict[str, int] = {}  # replicated tensors and objects: the first rank's copy
+    chunk_owner: dict[tuple[str, tuple[int, ...]], int] = {}  # shards: first rank per chunk
     for rank in range(world_size):
         md = FileSystemReader(os.path.join(path, f"rank_{rank}")).read_metadata()
+        shards = manifests[rank].get("shards", {})
         for fqn, smd in md.state_dict_metadata.items():
-            if fqn in merged.state_dict_metadata:
+            if fqn in shards:
+                _merge_chunk(merged, chunk_owner, fqn, smd, shards[fqn], rank)
+            elif fqn in merged.state_dict_metadata:
                 old = merged.state_dict_metadata[fqn]
                 if isinstance(smd, TensorStorageMetadata) and old.size != smd.size:
                     raise ValueError(f"{path}: '{fqn}' has size {tuple(smd.size)} on rank "
                                      f"{rank} but {tuple(old.size)} on rank {owner[fqn]}")
-                continue  # replicated: keep the first rank's copy
-            merged.state_dict_metadata[fqn] = smd
-            owner[fqn] = rank
+                continue
+            else:
+                merged.state_dict_metadata[fqn] = smd
+                owner[fqn] = rank
             if isinstance(md.planner_data, dict) and fqn in md.planner_data:
-                merged.planner_data[fqn] = md.planner_data[fqn]
+                merged.planner_data.setdefault(fqn, md.planner_data[fqn])
         for index, info in md.storage_data.items():
-            if owner.get(index.fqn) == rank:
-                info.relative_path = f"rank_{rank}/{info.relative_path}"
-                merged.storage_data[index] = info
+            if index.fqn in shards:
+                offsets = tuple(shards[index.fqn]["offsets"])
+                if chunk_owner.get((index.fqn, offsets)) != rank:
+                    continue
+                index = MetadataIndex(index.fqn, torch.Size(offsets), index.index)
+            elif owner.get(index.fqn) != rank:
+                continue
+            info.relative_path = f"rank_{rank}/{info.relative_path}"
+            merged.storage_data[index] = info
     info = {"step": manifests[0]["step"], "world_size": world_size, "format": "mxgraph-dcp-1",
             "incarnation": manifests[0].get("incarnation")}
     _write_atomic(os.path.join(path, INFO), json.dumps(info).encode(), fsync)
@@ -190,6 +222,21 @@ def try_commit(path: str, *, fsync: bool = True) -> bool:
         finally:
             os.close(fd)
     return True
+
+
+def _merge_chunk(merged: Metadata, chunk_owner: dict, fqn: str, smd: TensorStorageMetadata,
+                 shard: dict, rank: int) -> None:
+    """Add rank's piece of a sharded tensor as a chunk of the global tensor."""
+    offsets = tuple(shard["offsets"])
+    if (fqn, offsets) in chunk_owner:
+        return  # the same piece saved by another rank (e.g. replicated across DP)
+    chunk_owner[(fqn, offsets)] = rank
+    glob = merged.state_dict_metadata.get(fqn)
+    if glob is None:
+        glob = merged.state_dict_metadata[fqn] = TensorStorageMetadata(
+            properties=smd.properties, size=torch.Size(shard["global_shape"]), chunks=[])
+    glob.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                            sizes=smd.chunks[0].sizes))
 
 
 def prune(directory: str, keep: int) -> list[str]:
@@ -243,12 +290,14 @@ def saved_world_size(path: str) -> int:
         return json.load(f)["world_size"]
 
 
-def load(path: str, *, source_rank: int, targets: dict[str, torch.Tensor] | None = None) -> Any:
+def load(path: str, *, source_rank: int, same_layout: bool = True,
+         targets: dict[str, torch.Tensor] | None = None) -> Any:
     """Load saving rank `source_rank`'s state (its skeleton, every tensor it refers to).
 
     targets: key -> tensor to load into in place when shape and dtype match (else a new
     CPU tensor is made). Rank-local keys of `source_rank` are read under this process's
-    names, so a template captured on any rank fits.
+    names, so a template captured on any rank fits. Sharded tensors are read whole; with
+    `same_layout` each `Shard` gets back the saving rank's piece, else the whole tensor.
     """
     key = snapshot_key(source_rank)
     template: dict[str, Any] = {key: io.BytesIO()}
@@ -257,23 +306,12 @@ def load(path: str, *, source_rank: int, targets: dict[str, torch.Tensor] | None
     buf.seek(0)
     record = pickle.loads(buf.read())
     md = FileSystemReader(path).read_metadata()
-    refs: list[str] = []
-
-    def collect(obj: Any) -> None:
-        if isinstance(obj, TensorRef):
-            refs.append(obj.key)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                collect(v)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                collect(v)
-
-    collect(record["skeleton"])
+    refs = collect_refs(record["skeleton"])
     targets = targets or {}
     local = f"__rank{source_rank}__/"
-    tensors = {}
-    for k in refs:
+    tensors: dict[str, Any] = {}
+    for ref in refs:
+        k = ref.key
         smd = md.state_dict_metadata[k]
         size, dtype = tuple(smd.size), smd.properties.dtype
         t = targets.get(k)
@@ -285,4 +323,26 @@ def load(path: str, *, source_rank: int, targets: dict[str, torch.Tensor] | None
         tensors[k] = t if ok else torch.empty(size, dtype=dtype)
     if tensors:
         _quiet(dcp.load, dict(tensors), checkpoint_id=path, no_dist=True)
+    for ref in refs:
+        if isinstance(ref, ShardRef):
+            tensors[ref.key] = _shard_of(tensors[ref.key], ref, md, targets.get(ref.key),
+                                         same_layout)
     return unflatten_state(record["skeleton"], tensors)
+
+
+def _shard_of(whole: torch.Tensor, ref: ShardRef, md: Metadata, target: torch.Tensor | None,
+              same_layout: bool) -> Shard:
+    if not same_layout:
+        return Shard(whole, ref.global_shape, tuple(0 for _ in ref.global_shape))
+    sizes = next(c.sizes for c in md.state_dict_metadata[ref.key].chunks
+                 if tuple(c.offsets) == ref.offsets)
+    piece = whole
+    for dim, (off, n) in enumerate(zip(ref.offsets, sizes)):
+        piece = piece.narrow(dim, off, n)
+    if target is not None and target.shape == piece.shape and target.dtype == piece.dtype:
+        with torch.no_grad():
+            target.copy_(piece)
+        piece = target
+    else:
+        piece = piece.clone()
+    return Shard(piece, ref.global_shape, ref.offsets)

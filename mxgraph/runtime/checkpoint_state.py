@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mxgraph.runtime.shm import Shard
+
 
 def init_restartable_process_group(backend: str = "gloo", **kwargs: Any) -> None:
     """`dist.init_process_group` that survives `torchrun --max-restarts`.
@@ -84,7 +86,8 @@ def apply_training_state(state: dict, model_or_params: Any, optimizer: Any = Non
         targets = _named_tensors(model_or_params)
         with torch.no_grad():
             for name, t in state["model"].items():
-                targets[name].copy_(t)
+                dst = targets[name].local if isinstance(targets[name], Shard) else targets[name]
+                dst.copy_(t.local if isinstance(t, Shard) else t)
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state.get("scheduler") is not None:

@@ -73,6 +73,29 @@ class TensorRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardRef(TensorRef):
+    """Placeholder for a `Shard`: where this rank's piece sits in the global tensor."""
+
+    global_shape: tuple[int, ...] = ()
+    offsets: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass
+class Shard:
+    """This rank's piece of a tensor sharded across ranks (TP, ZeRO...).
+
+    On disk the pieces of all ranks form one global tensor (a DCP chunk each), so a
+    checkpoint loads at another sharding: restoring at the saving layout gives each rank its
+    own piece back; at another world size `local` is the whole global tensor (offsets 0)
+    and the trainer slices what it now owns.
+    """
+
+    local: torch.Tensor
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class TensorSpec:
     key: str
     dtype: torch.dtype
@@ -87,7 +110,7 @@ class SnapshotMeta:
     seq: int
     rank: int
     world_size: int
-    skeleton: Any  # the state with every tensor replaced by a TensorRef
+    skeleton: Any  # the state with every tensor replaced by a TensorRef (ShardRef)
     specs: list[TensorSpec]
     incarnation: str = ""  # same on every rank of one (re)start: parts of a step must match
 
@@ -98,7 +121,8 @@ def flatten_state(state: Any, rank: int) -> tuple[Any, list[tuple[str, torch.Ten
     Keys are '/'-joined paths. Everything under a top-level "rank_local" entry is
     per-rank (RNG states, data position) and gets the prefix `__rank<r>__/`, so that
     ranks' copies stay apart in a global checkpoint; other tensors are taken to be
-    replicated across ranks and are stored once.
+    replicated across ranks and are stored once, except `Shard`s, whose pieces are stored
+    as chunks of one global tensor.
     """
     tensors: list[tuple[str, torch.Tensor]] = []
 
@@ -106,8 +130,11 @@ def flatten_state(state: Any, rank: int) -> tuple[Any, list[tuple[str, torch.Ten
         if isinstance(obj, torch.Tensor):
             tensors.append((path, obj.detach()))
             return TensorRef(path)
+        if isinstance(obj, Shard):
+            tensors.append((path, obj.local.detach()))
+            return ShardRef(path, tuple(obj.global_shape), tuple(obj.offsets))
         if isinstance(obj, dict):
-            return type(obj)((k, walk(v, f"{path}/{k}" if path else str(k))) for k, v in obj.items())
+            return type(obj)((k, walk(v, f"{path}/{k}")) for k, v in obj.items())
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
             return type(obj)(walk(v, f"{path}/{i}") for i, v in enumerate(obj))
         return obj
@@ -119,8 +146,11 @@ def flatten_state(state: Any, rank: int) -> tuple[Any, list[tuple[str, torch.Ten
     return skeleton, tensors
 
 
-def unflatten_state(skeleton: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def unflatten_state(skeleton: Any, tensors: dict[str, Any]) -> Any:
     def walk(obj: Any) -> Any:
+        if isinstance(obj, ShardRef):
+            t = tensors[obj.key]
+            return t if isinstance(t, Shard) else Shard(t, obj.global_shape, obj.offsets)
         if isinstance(obj, TensorRef):
             return tensors[obj.key]
         if isinstance(obj, dict):
