@@ -63,6 +63,12 @@ class Step:
             loss = compiled.run(self.model, flat_inputs(args, kwargs))
         return self._reduce_data_parallel(loss)
 
+    def precompile(self, *args, **kwargs) -> None:
+        """Compile for this input signature now, without running a step."""
+        key = _signature(args, kwargs)
+        if key not in self._compiled:
+            self._compiled[key] = self._compile(args, kwargs)
+
     def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
         """Average loss and gradients over the data-parallel group."""
         dp = self.mesh.sizes["dp"]
@@ -116,6 +122,9 @@ def compile(model: torch.nn.Module, plan: Plan | None = None) -> Step:  # noqa: 
     plan.validate(_world_size())
     check_pass_names(plan.disable_passes)
     require_built(plan)
+    if plan.moe.adaptive_recompute_threshold is not None:
+        from mxgraph.runtime.adaptive import AdaptiveMoEStep
+        return AdaptiveMoEStep(model, plan)
     return Step(model, plan)
 
 

@@ -252,8 +252,6 @@ NOT_BUILT = [
     ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),
     ("moe.hot_expert_replication", lambda p: p.moe.hot_expert_replication,
      "hot-expert replication"),
-    ("moe.adaptive_recompute_threshold",
-     lambda p: p.moe.adaptive_recompute_threshold is not None, "MoE adaptive recompute"),
     ("moe.batched_gemm", lambda p: p.moe.batched_gemm, "batched expert GEMM"),
     ("moe.a2a_overlap", lambda p: p.moe.a2a_overlap, "all-to-all overlap"),
 ]
