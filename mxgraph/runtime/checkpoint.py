@@ -1,11 +1,16 @@
 """Flash checkpoint: save to host shared memory in the step, persist to disk behind it.
 
-    ckpt = FlashCheckpointer(dir, run_id=run_id, rank=rank, world_size=world, keep=2)
-    if (r := ckpt.restore()) is not None:
-        data_pos = apply_training_state(r.state, model, opt, sched); start = r.step + 1
-    ...
-    ckpt.save(step, capture_training_state(model, opt, sched, data_pos, plan.to_dict()))
+    ckpt = FlashCheckpointer(dir, run_id=default_run_id(), rank=rank, world_size=world,
+                             keep=2, persist_every=100)
+    r = ckpt.restore(into=capture_training_state(model, opt, sched))
+    start = apply_training_state(r.state, model, opt, sched) if r else 0  # data position
+    for step in range(start, num_steps):
+        ...  # train one step
+        ckpt.save(step + 1, capture_training_state(model, opt, sched, step + 1, plan_dict))
     ckpt.close()
+
+Under `torchrun --max-restarts`, create the process group with
+`init_restartable_process_group` (see checkpoint_state.py for why).
 
 `save` blocks only for the copy into a reused /dev/shm slot (see shm.py); the node's saver
 process (saver.py) writes the slot to disk in DCP format (checkpoint_disk.py) and commits
