@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -76,3 +77,29 @@ def test_killed_saver_falls_back_to_disk_bitwise(tmp_path, reference):
     assert restarted[0]["start"] in (3, 4, 5)
     _assert_equal(params, reference)
     assert [s for s, p in disk.list_steps(ckpt) if disk.is_committed(p)][0] == STEPS
+
+
+def test_saver_flushes_a_dead_workers_snapshot_and_cleans_up(tmp_path):
+    """No restart: the worker dies after a memory-only save; the saver writes that snapshot
+    to disk, then (after linger_s) unlinks the run's shared memory and exits."""
+    run_id = f"test-{uuid.uuid4().hex[:10]}"
+    code = (
+        "import os, signal, torch\n"
+        "from mxgraph.runtime.checkpoint import FlashCheckpointer\n"
+        f"ck = FlashCheckpointer({str(tmp_path)!r}, run_id={run_id!r}, linger_s=1.0)\n"
+        "r = ck.save(7, {'model': {'w': torch.arange(10.0)}}, persist=False)\n"
+        "assert r.status == 'copied'\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=120,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == -9
+    deadline = time.monotonic() + 60
+    while glob.glob(f"/dev/shm/{segment_prefix(run_id)}*") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not glob.glob(f"/dev/shm/{segment_prefix(run_id)}*"), "shared memory left behind"
+    ck = FlashCheckpointer(str(tmp_path), run_id=f"{run_id}-b", saver="none")
+    got = ck.restore()
+    ck.close()
+    assert got.source == "disk" and got.step == 7
+    assert torch.equal(got.state["model"]["w"], torch.arange(10.0))
