@@ -15,6 +15,15 @@ section with the median over ranks (robust: median absolute deviation) and with 
 own history. A finding that persists `min_intervals` intervals becomes a `SlowReport`:
 a log line, a JSON line (`json_path`) and `callback(report)`.
 
+    mon = StepMonitor(config=MonitorConfig(level=0, report_every=50), json_path="slow.jsonl")
+    for batch in data:
+        with mon.section("data"): tokens, targets = next(batch)
+        with mon.section("forward"): loss = model(tokens, targets)
+        with mon.section("backward"): loss.backward()
+        mon.collective("grad_sync", dist.all_reduce, flat_grads)
+        with mon.section("optimizer"): opt.step(); opt.zero_grad()
+        mon.step()   # returns the SlowReports of this interval (usually [])
+
 Kinds: "compute" and "comm" sections can be blamed; "wait" sections (time spent waiting
 for other ranks) never are, since a rank that waits long is the fast one.
 """
