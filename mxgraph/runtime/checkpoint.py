@@ -141,6 +141,16 @@ class FlashCheckpointer:
         if saver != "process":
             atexit.register(self._unlink_own)
 
+    @classmethod
+    def from_env(cls, directory: str, **kwargs: Any) -> "FlashCheckpointer":
+        """Rank, world size, local rank and run id from torchrun's environment."""
+        if "run_id" not in kwargs:
+            kwargs["run_id"] = default_run_id()
+        kwargs.setdefault("rank", int(os.environ.get("RANK", "0")))
+        kwargs.setdefault("world_size", int(os.environ.get("WORLD_SIZE", "1")))
+        kwargs.setdefault("local_rank", int(os.environ.get("LOCAL_RANK", kwargs["rank"])))
+        return cls(directory, **kwargs)
+
     # -- saver process ------------------------------------------------------------------
     def _ensure_saver(self, *, discard_orphans: bool) -> None:
         if saver_mod.saver_pid(self.run_id, self.shm_dir) is not None:

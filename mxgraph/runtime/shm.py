@@ -219,9 +219,11 @@ class ShmSlot:
         if self._pinned_ptr or not torch.cuda.is_available():
             return
         ptr = self.buf.data_ptr()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
-        if int(err) == 0:
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0))
             self._pinned_ptr = ptr
+        except RuntimeError:  # still correct, only slower (pageable copies)
+            pass
 
     # -- header --------------------------------------------------------------------------
     def get(self, name: str) -> Any:

@@ -54,8 +54,8 @@ def main():
     torch.manual_seed(1234 + rank)  # data stream differs per rank
 
     run_id = default_run_id()
-    ckpt = FlashCheckpointer(args.ckpt_dir, run_id=run_id, rank=rank, world_size=world,
-                             keep=2, persist_every=args.persist_every, linger_s=20.0)
+    ckpt = FlashCheckpointer.from_env(args.ckpt_dir, keep=2, persist_every=args.persist_every,
+                                      linger_s=20.0)
     start = 0
     restored = ckpt.restore(into=capture_training_state(model, opt, sched))
     if restored is not None:
