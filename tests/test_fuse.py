@@ -47,7 +47,13 @@ def expected_counts(name: str, cfg) -> dict:
 
 
 def MOE_COUNTS(cfg, moe_layers: int) -> dict:  # noqa: N802 - what the MoE patterns fuse
-    return {}
+    """The router op sums the best topk // topk_groups scores per group; models/moe.py sums
+    the best 2, so group-limited routers fuse only where the two agree (DeepSeek-V3: 8 // 4).
+    Permute and unpermute are two ops per dropless MoE layer."""
+    group = cfg.n_routed_experts // cfg.n_groups
+    router = cfg.n_groups == 1 or cfg.topk // cfg.topk_groups == min(2, group)
+    return {"moe_router": moe_layers * router,
+            "moe_permute": 2 * moe_layers * (cfg.capacity_factor is None)}
 
 
 def _frozen_key_biases(model) -> None:

@@ -334,3 +334,72 @@ def test_linear_cross_entropy_forms(form, tmp_path):
     targets[0, 0] = -100  # ignored
     counts = compile_and_compare(LMHead(form), (_x(2, 6, 8), targets), "linear_cross_entropy", tmp_path)
     assert counts == {"linear_cross_entropy": 1}
+
+
+# ---- MoE router and permute/unpermute ----------------------------------------------------
+class Router(nn.Module):
+    """Gate weights and expert ids; the loss reads both (ids through a per-expert table)."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.weight = nn.Parameter(torch.randn(8, 16) * 0.5)
+        self.table = nn.Parameter(torch.randn(8, 4))
+        self.register_buffer("expert_bias", torch.randn(8) * 0.1)
+
+    def route(self, x):
+        logits = F.linear(x, self.weight).float()
+        if self.form == "hf":  # Mixtral-style: softmax, top-k values, renormalise
+            probs = F.softmax(logits, dim=1, dtype=torch.float)
+            weights, ids = torch.topk(probs, 2, dim=-1)
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights, ids
+        scores = logits.sigmoid()
+        choice = scores + self.expert_bias
+        if self.form == "grouped":  # DeepSeek-V3-style: 4 groups, best 2 per group, keep 2 groups
+            grouped = choice.view(x.shape[0], 4, -1)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+            keep = group_scores.topk(2, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, keep, True)
+            choice = grouped.masked_fill(~mask[:, :, None], float("-inf")).view(x.shape[0], -1)
+        ids = choice.topk(4, dim=-1).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * 2.5, ids
+
+    def forward(self, x):
+        weights, ids = self.route(x)
+        return (weights[..., None] * self.table[ids]).sum() + weights.pow(2).sum()
+
+
+@pytest.mark.parametrize("form", ["hf", "biased", "grouped"])
+def test_moe_router_forms(form, tmp_path):
+    torch.manual_seed(0)
+    assert compile_and_compare(Router(form), (_x(12, 16),), "moe_router", tmp_path) == {"moe_router": 1}
+
+
+class Dispatch(nn.Module):
+    """Dropless dispatch written out: sort assignments by expert, run, weight, scatter back."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 8)
+        self.probs = nn.Parameter(torch.rand(6, 2))
+
+    def forward(self, x, ids):
+        T, K = ids.shape
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        token = order // K
+        counts = torch.zeros(4, dtype=torch.long).scatter_add(0, flat, torch.ones_like(flat))
+        y_rows = torch.tanh(self.up(x[token]))
+        w_rows = self.probs.reshape(-1)[order]
+        out = torch.zeros_like(x).index_add(0, token, y_rows * w_rows[:, None])
+        return out.pow(2).mean() + counts.max().float() * 0.0
+
+
+def test_moe_permute_form(tmp_path):
+    torch.manual_seed(0)
+    ids = torch.tensor([[0, 3], [1, 3], [3, 2], [0, 1], [2, 0], [1, 2]])
+    counts = compile_and_compare(Dispatch(), (_x(6, 8), ids), "moe_permute", tmp_path)
+    assert counts == {"moe_permute": 2}  # permute and unpermute
