@@ -128,3 +128,32 @@ def test_fusion_kinds_select_patterns(tmp_path):
     model = models.build_model("llama-tiny", n_layers=1)
     mx.compile(model, mx.Plan(fusion="swiglu,rope", dump_dir=str(tmp_path)))(*batch(seq_len=8))
     assert dump_counts(tmp_path) == {"swiglu": 1, "rope": 1}
+
+
+def test_fused_nodes_carry_values_and_provenance():
+    from mxgraph.capture import capture
+    from mxgraph.context import CompileContext
+    from mxgraph.passes.fuse import fused_counts
+    from mxgraph.passes.pipeline import FORWARD_PASSES
+    from mxgraph.passes.runner import run_pass
+
+    torch.manual_seed(0)
+    model = models.build_model("llama-tiny", n_layers=2)
+    gm = capture(model, batch(seq_len=8), {}).gm
+    ctx = CompileContext.for_plan(mx.Plan(fusion=True))
+    for spec in FORWARD_PASSES:
+        gm = run_pass(spec, gm, ctx)
+    assert fused_counts(gm) == {"swiglu": 2, "rmsnorm": 5, "rope": 2, "gqa": 2, "linear_cross_entropy": 1}
+    names = {n.name for n in gm.graph.nodes}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get("created_by") != "fuse":
+            continue
+        assert "val" in node.meta, node.name
+        custom = node.meta["custom"]
+        assert any(t.startswith("fused:") for t in custom["tags"]) and "module" in custom
+        assert "nn_module_stack" in node.meta
+        if "fused_from" in custom:  # the fused op itself: the nodes it replaced are gone
+            assert custom["fused_from"] and not names & set(custom["fused_from"])
+    layers = {n.meta["custom"]["layer"] for n in gm.graph.nodes
+              if n.meta.get("custom", {}).get("tags") == ("fused:swiglu",) and "fused_from" in n.meta["custom"]}
+    assert layers == {0, 1}

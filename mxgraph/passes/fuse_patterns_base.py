@@ -254,14 +254,15 @@ def replace(old: Node, new: Node) -> None:
 
 
 def erase_dead(graph: Graph, nodes) -> None:
-    """Erase those of `nodes` that are now unused, users first; random ops are kept."""
+    """Erase those of `nodes` that are now unused, users first. These are nodes a fused op
+    replaced, so random ones go too (SDPA carries the random tag even without dropout; a
+    replaced dropout's mask is the fused op's own now)."""
     wanted = set(nodes)
     for n in reversed([n for n in graph.nodes if n in wanted]):
         if n.users or n.op != "call_function":
             continue
         target = n.target
-        if isinstance(target, torch._ops.OpOverload) and (
-                torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable):
+        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
             continue
         graph.erase_node(n)
 
