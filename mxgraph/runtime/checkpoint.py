@@ -134,7 +134,7 @@ class FlashCheckpointer:
         if saver == "thread":
             self._loop = saver_mod.SaverLoop(run_id=run_id, directory=self.directory, keep=keep,
                                              ranks={rank}, shm_dir=shm_dir, fsync=fsync,
-                                             owns_segments=False)
+                                             owns_segments=False, poll_s=0.5)
             self._thread = threading.Thread(target=self._loop.run, daemon=True,
                                             name=f"mxgraph-persist-r{rank}")
             self._thread.start()
@@ -231,6 +231,8 @@ class FlashCheckpointer:
             nbytes = slot.write(meta, [t for _, t in tensors], persist=persist,
                                 owner_pid=os.getpid())
             self.seq += 1
+            if persist and self._loop is not None:
+                self._loop.wake.set()  # the persister thread sleeps otherwise (GIL)
             return SaveResult("copied", step, time.perf_counter() - t0, nbytes, persist)
         except Exception as e:  # noqa: BLE001 - a failed snapshot must not kill training
             logger.exception("flash checkpoint: save of step %d failed", step)
@@ -391,6 +393,7 @@ class FlashCheckpointer:
             dist.barrier(group=self.group)  # every rank's part is on disk
         if self._loop is not None:
             self._loop.stop.set()
+            self._loop.wake.set()
             self._thread.join()
             if self.rank == 0:  # every part is on disk now: one pass commits them
                 self._loop.commit_ready()

@@ -87,7 +87,7 @@ class SaverLoop:
     """The persist/flush/commit/cleanup loop; `ranks=None` manages every rank it finds."""
 
     def __init__(self, *, run_id: str, directory: str, keep: int, ranks: set[int] | None = None,
-                 shm_dir: str = SHM_DIR, fsync: bool = True, poll_s: float = 0.005,
+                 shm_dir: str = SHM_DIR, fsync: bool = True, poll_s: float = 0.01,
                  linger_s: float = 120.0, owns_segments: bool = True):
         self.run_id, self.directory, self.keep = run_id, directory, keep
         self.ranks, self.shm_dir, self.fsync = ranks, shm_dir, fsync
@@ -96,10 +96,27 @@ class SaverLoop:
         self.to_commit: set[str] = set()
         self.idle_since = time.monotonic()
         self.stop = threading.Event()
+        self.wake = threading.Event()  # set by an in-process writer: no need to wait a poll
+        self._next_discover = 0.0
+        self.committer = False  # sees rank 0: commits and prunes for the whole job
+        self._alive: dict[int, tuple[float, bool]] = {}  # pid -> (checked at, alive)
         self._re = re.compile(re.escape(segment_prefix(run_id)) + r"r(\d+)-s(\d+)$")
         self.persist_seconds = 0.0  # total, for benchmarks
 
+    def _pid_alive(self, pid: int) -> bool:
+        """pid_alive, cached for 0.2 s (it reads /proc, and is asked every poll)."""
+        now = time.monotonic()
+        at, alive = self._alive.get(pid, (-1.0, False))
+        if now - at > 0.2:
+            alive = pid_alive(pid)
+            self._alive[pid] = (now, alive)
+        return alive
+
     def discover(self) -> None:
+        now = time.monotonic()
+        if now < self._next_discover:
+            return
+        self._next_discover = now + (0.5 if self.slots else 0.05)
         for path in list_segments(self.run_id, self.shm_dir):
             m = self._re.search(os.path.basename(path))
             if not m:
@@ -109,6 +126,7 @@ class SaverLoop:
                 continue
             try:
                 self.slots[key] = ShmSlot(path, create=False)
+                self.committer |= key[0] == 0
             except (FileNotFoundError, ValueError):
                 pass  # being created right now: next poll
 
@@ -139,8 +157,8 @@ class SaverLoop:
 
     def commit_ready(self) -> None:
         """Commit every step whose parts are all on disk (one pass; the rest wait)."""
-        if not any(r == 0 for r, _ in self.slots):
-            self.to_commit.clear()  # the committer is the saver that sees rank 0
+        if not self.committer:
+            self.to_commit.clear()  # the saver that sees rank 0 commits
             return
         for path in sorted(self.to_commit):
             if path not in self.to_commit:
@@ -172,7 +190,8 @@ class SaverLoop:
             ranks.setdefault(rank, []).append(h)
             if h["state"] != COMPLETE or h["seq"] <= h["persisted_seq"]:
                 continue
-            orphaned = not h["closed"] and self.owns_segments and not pid_alive(h["owner_pid"])
+            orphaned = not h["closed"] and self.owns_segments and \
+                not self._pid_alive(h["owner_pid"])
             if h["persist_req"] or orphaned:
                 if orphaned and not h["persist_req"]:
                     logger.warning("saver: rank %d (pid %d) died; flushing its snapshot of "
@@ -185,7 +204,7 @@ class SaverLoop:
         if not ranks:
             return time.monotonic() - self.idle_since < self.linger_s
         all_closed = all(all(h["closed"] for h in hs) for hs in ranks.values())
-        all_gone = all(all(h["closed"] or not pid_alive(h["owner_pid"]) for h in hs)
+        all_gone = all(all(h["closed"] or not self._pid_alive(h["owner_pid"]) for h in hs)
                        for hs in ranks.values())
         if all_closed and not busy:
             self.commit_ready()
@@ -199,7 +218,8 @@ class SaverLoop:
         while not self.stop.is_set():
             if not self.poll_once():
                 break
-            time.sleep(self.poll_s)
+            self.wake.wait(self.poll_s)
+            self.wake.clear()
         self.close()
 
     def close(self) -> None:
