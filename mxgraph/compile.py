@@ -48,8 +48,11 @@ class Step:
 
     def named_parameters(self):
         owned = getattr(self, "_owned", None)
+        if owned is not None:  # by identity: a tied weight may be owned under its alias
+            owned = {id(p) for n, p in self.model.named_parameters(remove_duplicate=False)
+                     if n in owned}
         return ((n, p) for n, p in self.model.named_parameters()
-                if owned is None or n in owned)
+                if owned is None or id(p) in owned)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         key = _signature(args, kwargs)
