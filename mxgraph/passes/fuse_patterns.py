@@ -16,7 +16,7 @@ aten = torch.ops.aten
 mx = torch.ops.mxgraph
 
 
-def _silu_input(node, allowed: set):
+def _silu_input(node):
     """`a` when `node` computes silu(a) as aten.silu(a) or a * sigmoid(a) (either order)."""
     if is_op(node, aten.silu.default):
         return node.args[0], [node]
@@ -43,7 +43,7 @@ class SwiGLU(Pattern):
         if not is_op(node, aten.mul.Tensor):
             return None
         for act, b in commuted(node):
-            found = _silu_input(act, {node})
+            found = _silu_input(act)
             if found is None or not is_tensor(b):
                 continue
             a, chain = found

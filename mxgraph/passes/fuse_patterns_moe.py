@@ -1,8 +1,6 @@
 """MoE fusion patterns: the top-k router and the token permute/unpermute around the experts."""
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch.fx import Node
 
@@ -148,7 +146,8 @@ class MoERouter(Pattern):
                 root, chain, normalize = div, [div, total] + ([denom] if eps else []), True
         if len(root.users) == 1:
             user = next(iter(root.users))
-            if is_op(user, aten.mul.Tensor) and user.args[0] is root and isinstance(user.args[1], (int, float)):
+            scale_arg = user.args[1] if is_op(user, aten.mul.Tensor) else None
+            if user.args[0] is root and isinstance(scale_arg, (int, float)):
                 root, scale = user, float(user.args[1])
                 chain.append(user)
         return (root, chain), normalize, scale
@@ -220,7 +219,8 @@ class MoEPermute(Pattern):
         for y_rows, column in commuted(prod):
             chain = [column]
             w = column
-            while is_op(w, aten.unsqueeze.default) or (is_op(w, aten.slice.Tensor) and shape(w) == shape(w.args[0])):
+            while is_op(w, aten.unsqueeze.default) or (is_op(w, aten.slice.Tensor)
+                                                        and shape(w) == shape(w.args[0])):
                 w = w.args[0]
                 chain.append(w)
             cast = w if is_float_cast(w) else None
@@ -233,7 +233,8 @@ class MoEPermute(Pattern):
             weights = flat_w.args[0]
             if shape(weights) != shape(ids) or shape(y_rows) != (shape(ids)[0] * shape(ids)[1], shape(x)[1]):
                 continue
-            return y_rows, weights, [node, zeros, prod, w, flat_w] + chain + ([cast] if cast is not None else [])
+            nodes = [node, zeros, prod, w, flat_w] + chain
+            return y_rows, weights, nodes + ([cast] if cast is not None else [])
         return None
 
     def rewrite(self, rw: Rewriter, m: Match) -> None:
@@ -247,5 +248,3 @@ class MoEPermute(Pattern):
                           kind=self.kind, fused_from=[n.name for n in m.nodes if n is not m.root])
         replace(combine, out)
 
-
-_ = operator  # getitem nodes come from Rewriter.outputs

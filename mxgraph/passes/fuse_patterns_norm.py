@@ -83,7 +83,7 @@ class RMSNorm(Pattern):
             return None
         m.parts["x"] = x
         if plain_add(x) and shape(x.args[0]) == shape(x.args[1]) == shape(x) and \
-                dtype(x.args[0]) == dtype(x.args[1]) == dtype(x):
+                dtype(x.args[0]) == dtype(x.args[1]) == dtype(x) and _defined_before(m.parts["weight"], x):
             m.parts["add"] = x
         return m
 
@@ -104,6 +104,18 @@ class RMSNorm(Pattern):
             fused = self.fused(rw, m, mx.rmsnorm.default, (p["x"], p["weight"], p["eps"]))
             y, _ = rw.outputs(fused, 2, like=m.root, kind=self.kind)
             replace(m.root, y)
+
+
+def _defined_before(value, node: Node) -> bool:
+    """`value` (a node) comes before `node` in the graph: the fused add+norm goes at `node`."""
+    if value.op == "placeholder":
+        return True
+    cursor = node.prev
+    while cursor.op != "root":
+        if cursor is value:
+            return True
+        cursor = cursor.prev
+    return False
 
 
 def _cast_chain(top, bottom) -> list:
