@@ -260,6 +260,8 @@ class GQA(nn.Module):
         self.wq, self.wk, self.wv = nn.Linear(8, 32), nn.Linear(8, 16, bias=False), nn.Linear(8, 16)
 
     def repeat(self, x, rep):  # x: [B, K, S, D]
+        if self.form == "enable_gqa":
+            return x
         if self.form == "repeat_interleave":
             return x.repeat_interleave(rep, dim=1)
         B, K, S, D = x.shape
@@ -270,11 +272,12 @@ class GQA(nn.Module):
         q = self.wq(x).view(B, S, 4, 8).transpose(1, 2)
         k = self.wk(x).view(B, S, 2, 8).transpose(1, 2)
         v = self.wv(x).view(B, S, 2, 8).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, self.repeat(k, 2), self.repeat(v, 2), is_causal=True)
+        out = F.scaled_dot_product_attention(q, self.repeat(k, 2), self.repeat(v, 2), is_causal=True,
+                                             enable_gqa=self.form == "enable_gqa")
         return out.pow(2).mean()
 
 
-@pytest.mark.parametrize("form", ["repeat_interleave", "expand"])
+@pytest.mark.parametrize("form", ["repeat_interleave", "expand", "enable_gqa"])
 def test_gqa_forms(form, tmp_path):
     torch.manual_seed(0)
     assert compile_and_compare(GQA(form), (_x(2, 6, 8),), "gqa", tmp_path) == {"gqa": 1}

@@ -298,7 +298,8 @@ class RepeatGQA(Pattern):
     scale)`` on 4-D ``[B, H, S, D]`` where ``K`` and ``V`` repeat the heads of ``k`` and ``v`` by
     the same factor: ``repeat_interleave(k, rep, dim=h)`` or ``k[:, :, :, None].expand(...)
     .reshape(...)`` (head ``h`` serves query heads ``h*rep .. h*rep+rep-1``), optionally through
-    transposes/permutes that bring the head dim to dim 1.
+    transposes/permutes that bring the head dim to dim 1; and SDPA with ``enable_gqa=True``
+    on fewer kv heads (it repeats them itself).
 
     Rewrite to: ``mxgraph.gqa_attention(q, k', v', is_causal, scale)[0]`` with ``k'``, ``v'`` the
     un-repeated tensors in the same layout (the repeat is never materialised).
@@ -309,12 +310,19 @@ class RepeatGQA(Pattern):
     def match(self, node: Node, rw: Rewriter):
         if not is_op(node, aten.scaled_dot_product_attention.default):
             return None
-        if (argument(node, "attn_mask") is not None or argument(node, "dropout_p") != 0.0
-                or argument(node, "enable_gqa")):
+        if argument(node, "attn_mask") is not None or argument(node, "dropout_p") != 0.0:
             return None
         q, k, v = node.args[:3]
         if len(shape(q)) != 4 or shape(k) != shape(v):
             return None
+        scale = argument(node, "scale")
+        scale = 1.0 / math.sqrt(shape(q)[-1]) if scale is None else float(scale)
+        causal = bool(argument(node, "is_causal"))
+        if argument(node, "enable_gqa"):  # SDPA repeats the kv heads itself
+            if shape(k)[1] == shape(q)[1] or shape(q)[1] % shape(k)[1]:
+                return None
+            return Match(node, [node], {"q": q, "k": (k, 1, 1, [], []), "v": (v, 1, 1, [], []),
+                                        "scale": scale, "causal": causal})
         found_k, found_v = _unrepeat(k), _unrepeat(v)
         if found_k is None or found_v is None or found_k[1] != found_v[1] or found_k[1] < 2:
             return None
@@ -324,10 +332,7 @@ class RepeatGQA(Pattern):
         nodes = [node] + found_k[4] + found_v[4]
         if not all(only_users(n, set(nodes)) for n in nodes[1:]):
             return None
-        scale = argument(node, "scale")
-        scale = 1.0 / math.sqrt(shape(q)[-1]) if scale is None else float(scale)
-        return Match(node, nodes, {"q": q, "k": found_k, "v": found_v, "scale": scale,
-                                   "causal": bool(argument(node, "is_causal"))})
+        return Match(node, nodes, {"q": q, "k": found_k, "v": found_v, "scale": scale, "causal": causal})
 
     def rewrite(self, rw: Rewriter, m: Match) -> None:
         p = m.parts
