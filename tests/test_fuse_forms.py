@@ -146,13 +146,16 @@ def test_bias_gelu_forms(form, approximate, tmp_path):
 
 # ---- bias-dropout-add --------------------------------------------------------------------
 class BDA(Loss):
-    def __init__(self, p=0.0):
+    def __init__(self, p=0.0, form="inline"):
         super().__init__()
-        self.p = p
-        self.proj = nn.Linear(8, 8, bias=False)
-        self.bias = nn.Parameter(torch.randn(8))
+        self.p, self.form = p, form
+        self.proj = nn.Linear(8, 8, bias=form == "linear")
+        if form == "inline":
+            self.bias = nn.Parameter(torch.randn(8))
 
     def body(self, x):
+        if self.form == "linear":  # HF style: residual + dropout(dense(x)), the bias inside dense
+            return x + F.dropout(self.proj(x), self.p, self.training)
         return x + F.dropout(self.proj(x) + self.bias, self.p, self.training)
 
 
@@ -163,11 +166,12 @@ def test_bda_dropout_off_matches_eager(tmp_path):
         "bias_dropout_add": 1}
 
 
-def test_bda_dropout_on_same_seed_same_loss(tmp_path):
+@pytest.mark.parametrize("form", ["inline", "linear"])
+def test_bda_dropout_on_same_seed_same_loss(form, tmp_path):
     losses = []
     for run in range(2):
         torch.manual_seed(0)
-        model = BDA(p=0.5)
+        model = BDA(p=0.5, form=form)
         step = mx.compile(model, mx.Plan(fusion="bias_dropout_add", dump_dir=str(tmp_path / str(run))))
         torch.manual_seed(123)
         losses.append([step(_x(2, 4, 8)).item() for _ in range(2)])
@@ -406,3 +410,12 @@ def test_moe_permute_form(tmp_path):
     ids = torch.tensor([[0, 3], [1, 3], [3, 2], [0, 1], [2, 0], [1, 2]])
     counts = compile_and_compare(Dispatch(), (_x(6, 8), ids), "moe_permute", tmp_path)
     assert counts == {"moe_permute": 2}  # permute and unpermute
+
+
+@pytest.mark.parametrize("form", ["inline", "linear"])
+def test_bda_dropout_on_keeping_everything_matches_eager(form, tmp_path):
+    """p = 1e-9: a training dropout that (almost surely) keeps every element with scale 1.0 in
+    fp32, so the fused path with its own mask must equal eager."""
+    torch.manual_seed(0)
+    counts = compile_and_compare(BDA(p=1e-9, form=form), (_x(2, 4, 8),), "bias_dropout_add", tmp_path)
+    assert counts == {"bias_dropout_add": 1}

@@ -152,7 +152,8 @@ class BiasGelu(Pattern):
 
 class BiasDropoutAdd(Pattern):
     """Matches: ``add(residual, dropout(add(x, bias), p, train=True))`` (every add in either
-    order), the same without the bias add, and ``add(residual, add(x, bias))`` (dropout off:
+    order), the same without the bias add or with the bias of a linear (``dropout(linear(x, W,
+    b))``, split out as for bias-GELU), and ``add(residual, add(x, bias))`` (dropout off:
     `remove_noop` has already dropped an identity dropout); ``bias`` 1-D as long as ``x``'s last
     dim, ``x`` and ``residual`` of one shape and dtype.
 
@@ -174,21 +175,25 @@ class BiasDropoutAdd(Pattern):
                 p, training, inner = argument(branch, "p"), argument(branch, "train"), branch.args[0]
                 if not only_users(branch, {node}):
                     continue
-            x, bias = inner, None
+            x, bias, linear = inner, None, None
             if plain_add(inner) and only_users(inner, {node, branch}):
                 for xx, bb in commuted(inner):
                     if is_bias_for(bb, xx) and len(shape(xx)) >= 2:
                         x, bias = xx, bb
                         break
+            parts = linear_parts(inner)
+            if (training and p > 0 and parts and parts[2] is not None and only_users(inner, {branch})
+                    and is_bias_for(parts[2], inner)):
+                bias, linear = parts[2], parts  # dropout(linear(x, W, b)): the bias moves into the op
             if bias is None and not (training and p > 0):
                 continue
-            if shape(x) != shape(residual) or dtype(x) != dtype(residual) or dtype(x) != dtype(node):
-                continue
-            if not dtype(x).is_floating_point:
+            if shape(inner if linear else x) != shape(residual) or dtype(residual) != dtype(node) \
+                    or dtype(inner if linear else x) != dtype(node) or not dtype(node).is_floating_point:
                 continue
             nodes = [node] + ([branch] if branch is not inner else []) + ([inner] if bias is not None else [])
+            x = x if linear is None else None  # the bias-free linear is made by the rewrite
             return Match(node, nodes, {"x": x, "bias": bias, "residual": residual, "p": float(p),
-                                       "training": bool(training and p > 0)})
+                                       "training": bool(training and p > 0), "linear": linear})
         return None
 
     def apply(self, rw: Rewriter) -> int:
@@ -202,9 +207,12 @@ class BiasDropoutAdd(Pattern):
         if p["training"]:
             seed = self._seed_node(rw, m)
             offset = self._offset
-            self._offset += _numel(shape(p["x"]))
+            self._offset += _numel(shape(p["residual"]))
+        x = p["x"]
+        if p["linear"] is not None:
+            x = self.helper(rw, m, aten.linear.default, p["linear"][:2])
         out = self.fused(rw, m, mx.bias_dropout_add.default,
-                         (p["x"], p["bias"], p["residual"], p["p"], p["training"], seed, offset))
+                         (x, p["bias"], p["residual"], p["p"], p["training"], seed, offset))
         replace(m.root, out)
 
     def _seed_node(self, rw: Rewriter, m: Match):
