@@ -158,10 +158,10 @@ class BiasDropoutAdd(Pattern):
     dim, ``x`` and ``residual`` of one shape and dtype.
 
     Rewrite to: ``mxgraph.bias_dropout_add(x, bias, residual, p, training, seed, offset)``.
-    The mask is a hash of (seed, offset + element index): ``seed`` is drawn once per step in
-    the graph from torch's CPU generator (``randint`` then ``item``), so the same
-    ``torch.manual_seed`` gives the same masks, and each site gets its own ``offset`` (the
-    element count of the sites before it).
+    The mask is a hash of (seed, element index): each site draws its ``seed`` every step in
+    the graph, just before it runs, from torch's CPU generator (``randint`` then ``item``: no
+    device sync), so the same ``torch.manual_seed`` gives the same masks, and a pipeline
+    split keeps each site's seed in its stage.
     """
 
     kind = "bias_dropout_add"
@@ -196,37 +196,16 @@ class BiasDropoutAdd(Pattern):
                                        "training": bool(training and p > 0), "linear": linear})
         return None
 
-    def apply(self, rw: Rewriter) -> int:
-        self._seed = None
-        self._offset = 0
-        return super().apply(rw)
-
     def rewrite(self, rw: Rewriter, m: Match) -> None:
         p = m.parts
-        seed, offset = 0, 0
-        if p["training"]:
-            seed = self._seed_node(rw, m)
-            offset = self._offset
-            self._offset += _numel(shape(p["residual"]))
+        seed = 0
+        if p["training"]:  # a fresh seed per site and step, drawn where the site runs
+            draw = self.helper(rw, m, aten.randint.low, (0, 2 ** 31 - 1, []),
+                               {"dtype": torch.int64, "device": torch.device("cpu")})
+            seed = self.helper(rw, m, aten._local_scalar_dense.default, (draw,))
         x = p["x"]
         if p["linear"] is not None:
             x = self.helper(rw, m, aten.linear.default, p["linear"][:2])
         out = self.fused(rw, m, mx.bias_dropout_add.default,
-                         (x, p["bias"], p["residual"], p["p"], p["training"], seed, offset))
+                         (x, p["bias"], p["residual"], p["p"], p["training"], seed, 0))
         replace(m.root, out)
-
-    def _seed_node(self, rw: Rewriter, m: Match):
-        if self._seed is None:
-            first = next(n for n in rw.graph.nodes if n.op != "placeholder")
-            with rw.at(first):
-                draw = self.helper(rw, m, aten.randint.low, (0, 2 ** 31 - 1, []),
-                                   {"dtype": torch.int64, "device": torch.device("cpu")})
-                self._seed = self.helper(rw, m, aten._local_scalar_dense.default, (draw,))
-        return self._seed
-
-
-def _numel(dims) -> int:
-    total = 1
-    for d in dims:
-        total *= int(d)
-    return total
