@@ -46,6 +46,8 @@ import torch.distributed as dist
 logger = logging.getLogger("mxgraph.monitor")
 
 KINDS = ("compute", "comm", "wait")
+_COMM_WORDS = ("nccl", "gloo", "c10d", "all_reduce", "allreduce", "all_gather", "allgather",
+               "reduce_scatter", "all_to_all", "alltoall", "broadcast", "send", "recv")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -292,7 +294,8 @@ class StepMonitor:
         if self._profiler is not None:
             ops = self._op_times(self._steps - 1 or 1)
             sections.update(ops)
-            kinds.update({k: "compute" for k in ops})
+            kinds.update({k: "comm" if any(w in k.lower() for w in _COMM_WORDS) else "compute"
+                          for k in ops})
         self._totals.clear()
         self._steps = 0
         return self._exchange({"host": self.host, "sections": sections, "kinds": kinds})
