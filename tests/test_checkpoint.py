@@ -11,7 +11,7 @@ import torch
 
 from mxgraph.runtime import checkpoint_disk as disk
 from mxgraph.runtime.checkpoint import FlashCheckpointer, Shard, apply_training_state, \
-    capture_training_state
+    capture_training_state, newest_common_step
 from mxgraph.runtime.shm import WRITING, segment_prefix
 
 
@@ -70,6 +70,13 @@ def test_memory_restore_continues_bitwise(tmp_path, run_id):
         assert torch.equal(a, b)
     second.close()
     first.close()
+
+
+def test_ranks_agree_on_the_newest_step_all_hold():
+    assert newest_common_step([[7, 6], [7, 6]]) == 7
+    assert newest_common_step([[7, 6], [6, 5]]) == 6  # rank 1 died before saving step 7
+    assert newest_common_step([[7, 6], [5, -1]]) == -1  # nothing in common: use disk
+    assert newest_common_step([[7, -1], [-1, -1]]) == -1
 
 
 def test_half_written_snapshot_is_never_loaded(tmp_path, run_id):

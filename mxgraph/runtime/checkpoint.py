@@ -269,8 +269,7 @@ class FlashCheckpointer:
             return int(row.max())
         rows = [torch.empty_like(row, device=self._device()) for _ in range(self.world_size)]
         dist.all_gather(rows, row.to(self._device()), group=self.group)
-        common = set.intersection(*[{int(x) for x in r.cpu() if x >= 0} for r in rows])
-        return max(common) if common else -1
+        return newest_common_step([r.cpu().tolist() for r in rows])
 
     def _targets(self, into: dict | None) -> dict[str, torch.Tensor]:
         if into is None:
@@ -418,6 +417,16 @@ class FlashCheckpointer:
                 os.unlink(slot_path(self.run_id, self.rank, i, self.shm_dir))
             except FileNotFoundError:
                 pass
+
+
+def newest_common_step(rows: list[list[int]]) -> int:
+    """The newest step every rank holds (rows: each rank's steps, -1 = empty), or -1.
+
+    A rank killed between the gradient all_reduce and its save is one snapshot behind the
+    others; with two slots per rank the step before is still held by everyone.
+    """
+    common = set.intersection(*[{s for s in row if s >= 0} for row in rows])
+    return max(common) if common else -1
 
 
 def _copy_into(target: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
