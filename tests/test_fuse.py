@@ -36,7 +36,7 @@ def expected_counts(name: str, cfg) -> dict:
                 "linear_cross_entropy": 1}
     if name.startswith("moe"):
         moe_layers = layers - cfg.n_dense_layers
-        experts = cfg.n_routed_experts if cfg.expert_impl == "loop" else 0
+        experts = cfg.n_routed_experts if cfg.expert_impl == "loop" else 1  # grouped_mm: one
         swiglu = cfg.n_dense_layers + moe_layers * (experts + int(cfg.n_shared_experts > 0))
         norms_per_layer = 2 + (cfg.attention == "mla") * (1 + int(cfg.q_lora_rank > 0))
         counts = {"swiglu": swiglu, "rmsnorm": norms_per_layer * layers + 1, "rope": layers,
@@ -157,3 +157,19 @@ def test_fused_nodes_carry_values_and_provenance():
     layers = {n.meta["custom"]["layer"] for n in gm.graph.nodes
               if n.target is torch.ops.mxgraph.swiglu.default}
     assert layers == {0, 1}
+
+
+def test_deepseek_v3_shape_fusion_counts():
+    """The real DeepSeek-V3 preset (4 of its layers, on the meta device): group-limited sigmoid
+    router with selection bias, grouped_mm experts, MLA."""
+    from mxgraph.capture import capture
+    from mxgraph.passes.cleanup import remove_noop_pass
+    from mxgraph.passes.fuse import apply_patterns, fused_counts
+    from mxgraph.plan import FUSION_KINDS
+
+    model = models.build_model("deepseek-v3-671b", device="meta", dtype=torch.bfloat16, n_layers=4)
+    tokens = torch.zeros(1, 16, dtype=torch.long, device="meta")
+    gm = remove_noop_pass(capture(model, (tokens, tokens), {}).gm, None)  # the pass before fuse
+    apply_patterns(gm, FUSION_KINDS)
+    gm.graph.lint()
+    assert fused_counts(gm) == expected_counts("moe", model.config)
