@@ -173,3 +173,23 @@ def test_deepseek_v3_shape_fusion_counts():
     apply_patterns(gm, FUSION_KINDS)
     gm.graph.lint()
     assert fused_counts(gm) == expected_counts("moe", model.config)
+
+
+def test_a_refused_rewrite_leaves_the_graph_as_it_was():
+    from mxgraph.capture import capture
+    from mxgraph.passes.fuse import fused_counts
+    from mxgraph.passes.fuse_patterns import SwiGLU
+    from mxgraph.passes.fuse_patterns_base import Rewriter
+
+    class Refused(SwiGLU):
+        def rewrite(self, rw, m):
+            self.helper(rw, m, torch.ops.aten.neg.default, (m.parts["a"],))
+            raise ValueError("refused")
+
+    torch.manual_seed(0)
+    gm = capture(models.build_model("llama-tiny", n_layers=1), batch(seq_len=8), {}).gm
+    before = gm.code
+    with pytest.warns(UserWarning, match="left .* unfused: ValueError: refused"):
+        assert Refused().apply(Rewriter(gm)) == 0
+    gm.graph.lint()
+    assert gm.recompile() is not None and gm.code == before and not fused_counts(gm)

@@ -105,8 +105,11 @@ class RoPE(Pattern):
             taken.add(id(site))
             if partner is not None:
                 taken.add(id(partner))
-            self._rewrite(rw, site, partner)
-            count += 1
+            m = Match(site.out, site.nodes + (partner.nodes if partner else []))
+            if self.attempt(rw, m, lambda: self._rewrite(rw, m, site, partner)):
+                erase_dead(rw.graph, m.nodes)
+                rw.invalidate()
+                count += 1
         return count
 
     # -- matching
@@ -207,11 +210,10 @@ class RoPE(Pattern):
         return bool(users) and max(pos[n] for n in inputs) < min(pos[u] for u in users)
 
     # -- rewriting
-    def _rewrite(self, rw: Rewriter, a: _Site, b: _Site | None) -> None:
+    def _rewrite(self, rw: Rewriter, m: Match, a: _Site, b: _Site | None) -> None:
         pos = rw.position()
         users = [u for s in (a, b) if s is not None for u in s.out.users]
         first = min(users, key=pos.__getitem__)
-        m = Match(a.out, a.nodes + (b.nodes if b else []))
         with rw.at(first):
             cos, sin = self._tables(rw, m, a)
             q = self._to_bshd(rw, m, a.x, a.seq_dim)
@@ -221,8 +223,6 @@ class RoPE(Pattern):
             replace(a.out, self._from_bshd(rw, m, q_out, a.seq_dim))
             if b is not None:
                 replace(b.out, self._from_bshd(rw, m, k_out, b.seq_dim))
-        erase_dead(rw.graph, m.nodes)
-        rw.invalidate()
 
     def _tables(self, rw, m, site: _Site):
         seq = shape(site.x)[site.seq_dim]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -303,11 +304,27 @@ class Pattern:
             if m is None:
                 continue
             with rw.at(m.root):
-                self.rewrite(rw, m)
-            erase_dead(rw.graph, m.nodes)
-            rw.invalidate()
-            count += 1
+                done = self.attempt(rw, m, lambda: self.rewrite(rw, m))
+            if done:
+                erase_dead(rw.graph, m.nodes)
+                rw.invalidate()
+                count += 1
         return count
+
+    def attempt(self, rw: Rewriter, m: Match, rewrite) -> bool:
+        """Run `rewrite`; if the fused op refuses the inputs (its fake implementation raises),
+        erase what the rewrite created, warn, and leave the match as it was."""
+        before = set(rw.graph.nodes)
+        try:
+            rewrite()
+            return True
+        except Exception as error:  # noqa: BLE001 - the graph stays correct without this fusion
+            for n in reversed(list(rw.graph.nodes)):
+                if n not in before and not n.users:
+                    rw.graph.erase_node(n)
+            warnings.warn(f"fusion {self.kind}: left {m.root.name} unfused: {type(error).__name__}: "
+                          f"{error}", stacklevel=2)
+            return False
 
     def fused(self, rw: Rewriter, m: Match, target, args, kwargs=None) -> Node:
         """The fused op's node, marked with the names of the nodes it replaces."""
