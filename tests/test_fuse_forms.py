@@ -303,6 +303,10 @@ class Norm(Loss):
         h = x + self.proj(x) if self.residual else self.proj(x)
         if self.form == "aten":
             y = self.rms(h)
+        elif self.form == "hf":  # LlamaRMSNorm of transformers: weight on the left, .to(dtype)
+            h32 = h.to(torch.float32)
+            variance = h32.pow(2).mean(-1, keepdim=True)
+            y = self.weight * (h32 * torch.rsqrt(variance + 1e-6)).to(h.dtype)
         else:
             h32 = h.float()
             y = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(h) * self.weight
@@ -310,7 +314,7 @@ class Norm(Loss):
 
 
 @pytest.mark.parametrize("form, residual", [("aten", False), ("manual", False), ("manual", True),
-                                            ("aten", True)])
+                                            ("aten", True), ("hf", False)])
 def test_rmsnorm_forms(form, residual, tmp_path):
     torch.manual_seed(0)
     model = Norm(form, residual)
