@@ -66,8 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="processes to start through torchrun (distributed plans)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
-    inspect = commands.add_parser("inspect", help="summarise a dump directory")
-    inspect.add_argument("dump_dir", help="directory written by Plan(dump_dir=...)")
+    inspect = commands.add_parser("inspect", help="summarise a dump directory, or estimate "
+                                  "memory per rank (--memory)")
+    inspect.add_argument("dump_dir", nargs="?", help="directory written by Plan(dump_dir=...)")
+    inspect.add_argument("--memory", action="store_true",
+                         help="estimate memory per pipeline rank for --model under --plan "
+                              "(meta device, nothing allocated): table + bar chart PNG")
+    inspect.add_argument("--model", help="preset name for --memory (e.g. llama2-70b)")
+    inspect.add_argument("--plan", help="plan TOML file for --memory (default: Plan())")
+    inspect.add_argument("--batch-size", type=int, default=1, help="micro-batch size (--memory)")
+    inspect.add_argument("--seq-len", type=int, default=None,
+                         help="sequence length (--memory; default: the model's max_seq_len)")
+    inspect.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                         help="parameter dtype (--memory)")
+    inspect.add_argument("--png", default="memory.png", help="bar chart path (--memory)")
     inspect.add_argument("--diff", nargs=2, metavar=("PASS_A", "PASS_B"),
                          help="show which ops two passes' graphs differ in")
     inspect.set_defaults(run=_inspect)

@@ -45,7 +45,30 @@ def summary_text(directory: Path) -> str:
     return "\n".join(lines)
 
 
+def memory_main(args) -> int:
+    """`mxgraph inspect --memory --model NAME [--plan plan.toml]`."""
+    import torch
+
+    from mxgraph.memory_plan import estimate_memory, format_table, plot
+    from mxgraph.plan import Plan
+    if not args.model:
+        raise SystemExit("--memory needs --model NAME (a preset, e.g. llama2-70b)")
+    plan = Plan.from_toml(args.plan) if args.plan else Plan()
+    dtype = getattr(torch, args.dtype)
+    stages = estimate_memory(args.model, plan, batch_size=args.batch_size,
+                             seq_len=args.seq_len, dtype=dtype)
+    print(f"{args.model}  {plan.to_toml().strip().replace(chr(10), '; ') or 'default plan'}")
+    print(format_table(stages))
+    plot(stages, args.png, title=f"{args.model} ({args.dtype}, mbs={args.batch_size})")
+    print(f"bar chart: {args.png}")
+    return 0
+
+
 def main(args) -> int:
+    if getattr(args, "memory", False):
+        return memory_main(args)
+    if not args.dump_dir:
+        raise SystemExit("inspect needs a dump directory (or --memory --model NAME)")
     directory = Path(args.dump_dir)
     if not (directory / "summary.txt").exists():
         raise SystemExit(f"{directory} has no summary.txt; was it written by "

@@ -31,7 +31,8 @@ whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dt
   **moe_light** = block minus projections, plus the router projection;
   **moe_medium** = light + expert first projections + shared-expert units;
   **moe_full** = the whole block.
-* **full** - every forward node of one layer (`meta["custom"]["layer"]`).
+* **full** - every forward node of one layer (`meta["custom"]["layer"]`) except the
+  layer's outputs (values read by another layer), which stay saved as checkpoints.
 
 Random ops (`nondeterministic_seeded`, e.g. `native_dropout`) are never recomputed: their
 mask stays saved and the dropout output is replayed from it (see remat.py).
@@ -76,9 +77,18 @@ def is_matmul(node: Node) -> bool:
 
 
 def is_random(node: Node) -> bool:
+    """An op that draws random numbers: tagged `nondeterministic_seeded`, except attention
+    ops called with `dropout_p=0` (deterministic; the tag covers their dropout path)."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and (
-        torch.Tag.nondeterministic_seeded in target.tags)
+    if not (isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" in names:
+        index = names.index("dropout_p")
+        value = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args) else 0.0)
+        return not (isinstance(value, (int, float)) and value == 0)
+    return True
 
 
 def is_pointwise(node: Node) -> bool:
@@ -427,11 +437,22 @@ def _take_projection_chain(g: Graph, start: Node, unit: set, upward: bool) -> No
 
 
 def full_units(g: Graph) -> list[set]:
+    """Every forward node of a layer except its outputs (values that forward nodes of
+    another layer read): those stay saved as the checkpoints the next layer recomputes
+    from; recomputing them too would chain every layer back to the embedding."""
     by_layer: dict = {}
     for n in g.forward:
         if layer_of(n) is not None:
             by_layer.setdefault(layer_of(n), set()).add(n)
-    return list(by_layer.values())
+    units = []
+    for layer, nodes in by_layer.items():
+        outputs = {n for n in nodes if any(layer_of(u) != layer for u in g.fwd_users(n))}
+        for n in list(outputs):  # a view read by another layer: keep its base too
+            while is_alias(n) and n.all_input_nodes and n.all_input_nodes[0] in nodes:
+                n = n.all_input_nodes[0]
+                outputs.add(n)
+        units.append(nodes - outputs)
+    return units
 
 
 def all_units(gm: torch.fx.GraphModule, kinds) -> list[Unit]:

@@ -1,0 +1,281 @@
+"""Memory estimator: bytes per pipeline rank for a model config and a plan, nothing allocated.
+
+    stages = estimate_memory("llama2-70b", Plan(pp=4, tp=8, recompute="full"), seq_len=4096)
+    print(format_table(stages)); plot(stages, "memory.png")
+
+Per rank (one per pipeline stage; TP/CP/DP/EP peers hold the same amounts):
+* **parameters** - the stage's layers (contiguous, earlier stages take the remainder), the
+  embedding on stage 0, final norm + LM head on the last; matrices (>= 2-D) / tp, routed
+  experts / ep (norms and router stay whole).
+* **gradients** - one per parameter, in the parameter dtype (mxgraph fills `.grad`).
+* **optimizer** - AdamW: two fp32 states per parameter, plus an fp32 master copy when the
+  parameters are not fp32; / dp under zero1.
+* **activations** - saved activations per micro-batch, measured on a traced graph (below)
+  times the micro-batches in flight: the schedule simulator's peak activation units for
+  that rank / vpp (1F1B: stage s holds pp - s; GPipe: all); 1 without pipelining.
+  / cp (sequence split); / tp with sequence parallelism, else only the tensor-parallel part
+  (everything but norm outputs and the residual stream) / tp.
+* **offloaded** - host bytes the offload pass moves, same scaling (not on the device).
+* **transient** - the traced graph's liveness peak minus parameters and saved values: the
+  working set of one micro-batch's forward and backward (logits included).
+
+Saved bytes per layer come from the real compiler path: the model is rebuilt with 1 dense
+(+1 MoE) layer at full width on the meta device, its parameters turned into CPU fake
+tensors, captured, its joint graph derived, the remat and offload passes applied under the
+plan's policy (per stage), and the saved roots grouped by `meta["custom"]["layer"]`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from mxgraph.memory_saved import node_bytes, saved_roots, size_hints
+from mxgraph.plan import Plan
+
+_GiB = 2 ** 30
+
+
+@dataclass
+class StageMemory:
+    stage: int
+    layers: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    offloaded: int
+    transient: int
+    in_flight: float
+
+    @property
+    def device_total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+
+@dataclass
+class LayerActivations:
+    """Saved bytes of one micro-batch: per dense layer, per MoE layer, outside layers."""
+
+    dense: int
+    moe: int
+    other: int
+    dense_host: int
+    moe_host: int
+    replicated_fraction: float  # share of layer bytes not split by TP without SP
+    transient: int
+
+
+def _config(name_or_config):
+    import models
+    if isinstance(name_or_config, str):
+        return models.PRESETS[name_or_config][1]
+    return name_or_config
+
+
+def _trace_saved(config, plan: Plan, batch_size: int, seq_len: int, dtype: torch.dtype,
+                 stage: int, **overrides) -> tuple[int, int, int, int]:
+    """(device saved bytes, host bytes, bytes of norm outputs/residuals, transient) of one
+    micro-batch for `config` with `overrides` (e.g. fewer layers), under the plan's policy."""
+    import models
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from mxgraph.capture import capture
+    from mxgraph.compile import _slot_tensors
+    from mxgraph.context import CompileContext
+    from mxgraph.joint import _GraphModule
+    from mxgraph.memory import estimate_peak
+    from mxgraph.passes.offload import offload_pass
+    from mxgraph.passes.remat import remat_pass
+    from mxgraph.passes.remat_regions import Graph, norm_units
+
+    small = dataclasses.replace(config, **overrides)
+    model = models.build_from_config(small, device="meta", dtype=dtype)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    cpu = torch.device("cpu")
+    model._apply(lambda t: FakeTensor(mode, t, cpu) if t.is_meta else t)
+    with mode:
+        tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    forward = capture(model, (tokens, tokens), {})
+    holder = _GraphModule(forward, _slot_tensors(model, forward))
+    with contextlib.ExitStack() as stack:
+        gm = aot_export_joint_with_descriptors(stack, holder, (tokens, tokens)).graph_module
+    policy = dataclasses.replace(plan, recompute=plan.recompute_stages.get(stage, plan.recompute),
+                                 recompute_stages={}, memory_budget=None)
+    ctx = CompileContext(plan=policy)
+    gm = offload_pass(remat_pass(gm, ctx), ctx)
+    hints = size_hints(gm)
+    device, host = saved_roots(gm)
+    replicated = set().union(*norm_units(Graph(gm)), set())
+    saved = sum(node_bytes(n, hints) for n in device)
+    whole = sum(node_bytes(n, hints) for n in device if n in replicated or _is_residual(n))
+    peak, resident = estimate_peak(gm)
+    return (saved, sum(node_bytes(n, hints) for n in host), whole,
+            max(0, peak - resident - saved))
+
+
+def trace_layer_activations(config, plan: Plan, batch_size: int, seq_len: int,
+                            dtype: torch.dtype = torch.bfloat16, stage: int = 0
+                            ) -> LayerActivations:
+    """Saved bytes per layer kind under the plan's policy for `stage`, by differences of
+    traces with one more layer of each kind (a saved value belongs to no single layer:
+    the residual a layer saves is produced by the layer before)."""
+    def trace(**overrides):
+        return _trace_saved(config, plan, batch_size, seq_len, dtype, stage, **overrides)
+
+    n_dense = getattr(config, "n_dense_layers", None)
+    if n_dense:  # dense + MoE layers
+        base = trace(n_layers=2, n_dense_layers=1)
+        more_moe = trace(n_layers=3, n_dense_layers=1)
+        more_dense = trace(n_layers=3, n_dense_layers=2)
+        moe = [a - b for a, b in zip(more_moe, base)]
+        dense = [a - b for a, b in zip(more_dense, base)]
+        other = [b - d - m for b, d, m in zip(base, dense, moe)]
+    else:  # one kind of layer (dense, or all MoE when n_dense_layers == 0)
+        one, two = trace(n_layers=1), trace(n_layers=2)
+        layer = [a - b for a, b in zip(two, one)]
+        other = [a - b for a, b in zip(one, layer)]
+        dense, moe = (layer, [0] * 4) if n_dense is None else ([0] * 4, layer)
+    layer_bytes = max(dense[0], moe[0], 1)
+    whole = dense[2] if dense[0] >= moe[0] else moe[2]
+    return LayerActivations(dense[0], moe[0], other[0], dense[1], moe[1],
+                            min(1.0, max(0.0, whole / layer_bytes)), base_transient(other, dense))
+
+
+def base_transient(other, dense) -> int:
+    return max(0, other[3] + dense[3])
+
+
+def _is_residual(node) -> bool:
+    """A residual-stream add: an add whose operands include a layer's input."""
+    return node.target is torch.ops.aten.add.Tensor and (
+        node.meta.get("custom") or {}).get("module", "").count(".") == 1
+
+
+def in_flight(plan: Plan) -> dict[int, float]:
+    """Micro-batches whose activations a pipeline rank holds at its peak."""
+    if plan.pp == 1:
+        return {0: 1.0}
+    from mxgraph.schedules import build_schedule, simulate
+    schedule = build_schedule(plan.schedule, pp=plan.pp, num_microbatches=plan.micro_batches,
+                              vpp=plan.vpp if plan.vpp > 1 else None)
+    peak = simulate(schedule).peak_activations
+    return {rank: peak[rank] / plan.vpp for rank in range(plan.pp)}
+
+
+def _stage_layers(n_layers: int, pp: int) -> list[range]:
+    base, extra = divmod(n_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        count = base + (1 if s < extra else 0)
+        out.append(range(start, start + count))
+        start += count
+    return out
+
+
+def _param_bytes(model, plan: Plan, layers: range, first: bool, last: bool) -> tuple[int, int]:
+    """(bytes, elements) of this stage's parameters on one rank."""
+    total = elements = 0
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            if int(parts[1]) not in layers:
+                continue
+        elif parts[0] == "embed" or parts[0] == "pos_embed":
+            if not first:
+                continue
+        elif not last:
+            continue
+        n = p.numel()
+        if "experts" in parts:
+            n //= plan.ep
+        if p.dim() >= 2 and "router" not in parts:
+            n //= plan.tp
+        total += n * p.element_size()
+        elements += n
+    return total, elements
+
+
+def estimate_memory(model, plan: Plan, *, batch_size: int = 1, seq_len: int | None = None,
+                    dtype: torch.dtype = torch.bfloat16, dp: int | None = None
+                    ) -> list[StageMemory]:
+    """Per pipeline rank memory (see module docstring). `model`: a preset name or config;
+    `batch_size`: the micro-batch size; `seq_len`: default the config's max_seq_len."""
+    import models
+    config = _config(model)
+    seq_len = seq_len or config.max_seq_len
+    dp = dp or plan.dp or 1
+    full = models.build_from_config(config, device="meta", dtype=dtype)
+    flights = in_flight(plan)
+    layer_sets = _stage_layers(config.n_layers, plan.pp)
+    n_dense = getattr(config, "n_dense_layers", config.n_layers)
+    traced: dict[str, LayerActivations] = {}
+    seq_shard = seq_len // plan.cp
+    stages = []
+    for stage, layers in enumerate(layer_sets):
+        policy = plan.recompute_stages.get(stage, plan.recompute)
+        if policy not in traced:
+            traced[policy] = trace_layer_activations(config, plan, batch_size, seq_shard, dtype,
+                                                     stage)
+        acts = traced[policy]
+        first, last = stage == 0, stage == plan.pp - 1
+        params, elements = _param_bytes(full, plan, layers, first, last)
+        master = 0 if dtype == torch.float32 else 4
+        optimizer = elements * (8 + master) // (dp if plan.zero1 else 1)
+        dense = sum(1 for i in layers if i < n_dense)
+        moe = len(layers) - dense
+        per_mb = dense * acts.dense + moe * acts.moe
+        host = dense * acts.dense_host + moe * acts.moe_host
+        if plan.tp > 1:
+            keep = 1.0 / plan.tp if plan.sequence_parallel else (
+                acts.replicated_fraction + (1 - acts.replicated_fraction) / plan.tp)
+            per_mb, host = int(per_mb * keep), int(host * keep)
+        if first or last:
+            per_mb += acts.other // (2 if plan.pp > 1 else 1) // plan.tp
+        flight = flights.get(stage, 1.0)
+        stages.append(StageMemory(stage=stage, layers=len(layers), params=params, grads=params,
+                                  optimizer=optimizer, activations=int(per_mb * flight),
+                                  offloaded=int(host * flight),
+                                  transient=acts.transient // plan.tp, in_flight=flight))
+    return stages
+
+
+def format_table(stages: list[StageMemory]) -> str:
+    header = (f"{'stage':>5} {'layers':>6} {'params':>9} {'grads':>9} {'optim':>9} "
+              f"{'acts':>9} {'in-flt':>6} {'transient':>9} {'device':>9} {'host':>9}   (GiB)")
+    lines = [header]
+    for s in stages:
+        lines.append(f"{s.stage:>5} {s.layers:>6} {s.params / _GiB:>9.2f} {s.grads / _GiB:>9.2f} "
+                     f"{s.optimizer / _GiB:>9.2f} {s.activations / _GiB:>9.2f} "
+                     f"{s.in_flight:>6.1f} {s.transient / _GiB:>9.2f} "
+                     f"{s.device_total / _GiB:>9.2f} {s.offloaded / _GiB:>9.2f}")
+    return "\n".join(lines)
+
+
+def plot(stages: list[StageMemory], path, title: str = "") -> None:
+    """Stacked bars per stage (GiB), host offload as a hatched bar beside."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    parts = ["params", "grads", "optimizer", "activations", "transient"]
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(stages) + 2), 4))
+    xs = [s.stage for s in stages]
+    bottom = [0.0] * len(stages)
+    for part in parts:
+        values = [getattr(s, part) / _GiB for s in stages]
+        ax.bar(xs, values, 0.6, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    host = [s.offloaded / _GiB for s in stages]
+    if any(host):
+        ax.bar([x + 0.35 for x in xs], host, 0.1, label="offloaded (host)", hatch="//")
+    ax.set_xlabel("pipeline stage (rank)")
+    ax.set_ylabel("GiB per rank")
+    ax.set_title(title or "mxgraph memory estimate")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
