@@ -5,8 +5,10 @@ docstring says "Matches: ... Rewrite to: ..." and whose `kind` is a name of
 `mxgraph.plan.FUSION_KINDS`; `Plan(fusion=...)` selects the kinds. Every fused op is a
 `torch.ops.mxgraph.*` custom op with a registered autograd formula (see
 `mxgraph/codegen/kernels/`), so AOTAutograd derives the fused backward when the joint
-graph is built. Fused nodes carry `meta["custom"]["tags"] = (..., "fused:<kind>")` and
-`meta["custom"]["fused_from"]` (names of the nodes they replaced), which the dumps show.
+graph is built. Fused nodes carry `meta["custom"]["tags"] = (..., "fused:<kind>")` (the
+"tags" column of a dump's nodes.tsv; AOTAutograd copies it onto the fused backward ops)
+and the fused op itself `meta["custom"]["fused_from"]`, the names of the nodes it replaced.
+A rewrite the fused op refuses is undone with a warning (the graph stays correct).
 """
 from __future__ import annotations
 
