@@ -55,10 +55,8 @@ class Step:
                 if owned is None or id(p) in owned)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
-        key = _signature(args, kwargs)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = self._compiled[key] = self._compile(args, kwargs)
+        self.prepare(*args, **kwargs)
+        compiled = self._compiled[_signature(args, kwargs)]
         if isinstance(compiled, PipelineExecutor):
             loss = compiled.step(split_microbatches(flat_inputs(args, kwargs),
                                                     self.plan.micro_batches))
@@ -68,6 +66,13 @@ class Step:
 
     def precompile(self, *args, **kwargs) -> None:
         """Compile for this input signature now, without running a step."""
+        key = _signature(args, kwargs)
+        if key not in self._compiled:
+            self._compiled[key] = self._compile(args, kwargs)
+
+    def prepare(self, *args, **kwargs) -> None:
+        """Compile for these inputs' signature without running a step (after this,
+        `parameters()` lists exactly this rank's parameters)."""
         key = _signature(args, kwargs)
         if key not in self._compiled:
             self._compiled[key] = self._compile(args, kwargs)

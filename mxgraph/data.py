@@ -71,6 +71,13 @@ class Batches:
         self.step += 1
         return window[:, :-1], window[:, 1:]
 
+    def peek(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of the right shape, without advancing the position."""
+        state = self.state_dict()
+        batch = self.next()
+        self.load_state_dict(state)
+        return batch
+
     def state_dict(self) -> dict:
         return {"step": self.step, "generator": self.generator.get_state()}
 

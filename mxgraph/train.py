@@ -1,18 +1,27 @@
 """`mxgraph train`: train a preset model with a compiled step on built-in or given data."""
 from __future__ import annotations
 
+import hashlib
+import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import mxgraph
 from mxgraph.data import Batches, load_tokens, split
 from mxgraph.plan import Plan
+from mxgraph.runtime.checkpoint import FlashCheckpointer
+from mxgraph.runtime.checkpoint_state import (apply_training_state, capture_training_state,
+                                              init_restartable_process_group)
+
+log = logging.getLogger("mxgraph.train")
 
 
 @dataclass(kw_only=True)
@@ -45,6 +54,14 @@ class TrainConfig:
     """Parameter dtype: float32 or bfloat16."""
     eager: bool = False
     """Run the model eagerly instead of compiling (for comparison)."""
+    save_every: int = 0
+    """Flash-checkpoint every N steps (0 = never); see --checkpoint-dir."""
+    checkpoint_dir: str = "runs/checkpoints"
+    """Where committed checkpoints go (torch.distributed.checkpoint format)."""
+    resume: bool = False
+    """Resume from the newest intact snapshot: in memory if every rank has it, else disk."""
+    keep: int = 2
+    """Committed checkpoints kept on disk."""
 
 
 def seed_everything(seed: int) -> None:
@@ -60,10 +77,28 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def _init_distributed() -> int:
+    """Join the torchrun job, if any; returns the global rank."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        init_restartable_process_group(backend)
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _run_id(checkpoint_dir: str) -> str:
+    """torchrun's run id (stable across restarts), MXGRAPH_RUN_ID, or one derived from
+    the checkpoint directory, so that a re-run of the same command finds its snapshots."""
+    for key in ("MXGRAPH_RUN_ID", "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(key, "none") != "none":
+            return os.environ[key]
+    return "ckpt-" + hashlib.sha1(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:12]
+
+
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
-    """Train and return {"train_loss", "val_loss", "tokens_per_s", "seconds"}."""
+    """Train and return {"train_loss", "val_loss", "tokens_per_s", "seconds", "start_step"}."""
     import models
 
+    rank = _init_distributed()
     seed_everything(cfg.seed)
     plan = Plan.from_toml(cfg.plan) if cfg.plan else Plan()
     model = models.build_model(cfg.model, dtype=getattr(torch, cfg.dtype))
@@ -73,12 +108,29 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         raise ValueError(f"data has token id {int(tokens.max())} but {cfg.model} has "
                          f"vocab_size={vocab}; choose a model with a larger vocabulary")
     train_tokens, val_tokens = split(tokens)
-    batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
     step_fn = model if cfg.eager else mxgraph.compile(model, plan)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    dp_rank = 0 if cfg.eager else step_fn.mesh.coords["dp"]
+    batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed + dp_rank)
+    if not cfg.eager:  # compile first: with pp, this rank's parameters are known after
+        step_fn.prepare(*batches.peek())
+    params = list(model.parameters() if cfg.eager else step_fn.parameters())
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  betas=(0.9, 0.95))
+    named = dict(model.named_parameters() if cfg.eager else step_fn.named_parameters())
+    checkpointer, start_step = None, 0
+    if cfg.save_every or cfg.resume:
+        checkpointer = FlashCheckpointer.from_env(cfg.checkpoint_dir, keep=cfg.keep,
+                                                  run_id=_run_id(cfg.checkpoint_dir))
+    if cfg.resume:
+        restored = checkpointer.restore(into=capture_training_state(named, optimizer))
+        if restored is not None:
+            position = apply_training_state(restored.state, named, optimizer)
+            batches.load_state_dict(position)
+            start_step = restored.step
+            log.info("resumed at step %d from %s", start_step, restored.source)
     start = time.perf_counter()
-    bar = tqdm(range(cfg.steps), disable=not progress, unit="step", dynamic_ncols=True)
+    bar = tqdm(range(start_step, cfg.steps), disable=not progress or rank != 0,
+               unit="step", dynamic_ncols=True)
     loss_value = float("nan")
     for step in bar:
         for group in optimizer.param_groups:
@@ -92,12 +144,21 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
         elapsed = time.perf_counter() - start
-        bar.set_postfix(loss=f"{loss_value:.3f}",
-                        tok_s=f"{(step + 1) * cfg.batch_size * cfg.seq_len / elapsed:,.0f}")
+        tokens_per_s = (step + 1 - start_step) * cfg.batch_size * cfg.seq_len / elapsed
+        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            result = checkpointer.save(step + 1, capture_training_state(
+                named, optimizer, None, batches.state_dict(), plan.to_dict()))
+            log.info("checkpoint at step %d: %s (%.3f s blocking)", step + 1,
+                     result.status, result.blocking_s)
     seconds = time.perf_counter() - start
+    if checkpointer is not None:
+        checkpointer.close()
     val_loss = evaluate(model, val_tokens, cfg)
+    done = max(1, cfg.steps - start_step)
     return {"train_loss": loss_value, "val_loss": val_loss, "seconds": seconds,
-            "tokens_per_s": cfg.steps * cfg.batch_size * cfg.seq_len / seconds}
+            "tokens_per_s": done * cfg.batch_size * cfg.seq_len / seconds,
+            "start_step": start_step}
 
 
 @torch.no_grad()

@@ -81,3 +81,15 @@ def test_untraceable_model_names_module_and_line():
 def test_forward_must_return_loss():
     with pytest.raises(TraceError, match="scalar loss"):
         mx.compile(torch.nn.Linear(4, 4))(torch.randn(2, 4))
+
+
+def test_save_and_resume_continue_bitwise(tmp_path, monkeypatch):
+    monkeypatch.setenv("MXGRAPH_RUN_ID", f"test-resume-{tmp_path.name}")
+    base = dict(batch_size=4, seq_len=32, warmup=2, val_batches=1,
+                checkpoint_dir=str(tmp_path / "ck"))
+    straight = train(TrainConfig(steps=6, **base), progress=False)
+    train(TrainConfig(steps=3, save_every=3, **base), progress=False)
+    resumed = train(TrainConfig(steps=6, resume=True, **base), progress=False)
+    assert resumed["start_step"] == 3
+    assert resumed["train_loss"] == straight["train_loss"]
+    assert resumed["val_loss"] == straight["val_loss"]
