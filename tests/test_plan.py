@@ -57,12 +57,9 @@ def test_unbuilt_capabilities_are_refused_by_name(name):
         "tp": Plan(tp=2), "pp": Plan(pp=2), "vpp": Plan(vpp=2, schedule="interleaved"),
         "ep": Plan(ep=2), "cp": Plan(cp=2), "dp": Plan(dp=2), "zero1": Plan(zero1=True),
         "micro_batches": Plan(micro_batches=2), "layout": Plan(layout="E t | t L"),
-        "empty_layers": Plan(empty_layers=True), "recompute": Plan(recompute="norm"),
-        "memory_budget": Plan(memory_budget=10), "offload": Plan(offload="all"),
-        "overlap": Plan(overlap=True),
+        "empty_layers": Plan(empty_layers=True), "overlap": Plan(overlap=True),
         "moe.capacity_factor": Plan(moe={"capacity_factor": 1.0}),
         "moe.hot_expert_replication": Plan(moe={"hot_expert_replication": True}),
-        "moe.adaptive_recompute_threshold": Plan(moe={"adaptive_recompute_threshold": 8}),
         "moe.batched_gemm": Plan(moe={"batched_gemm": True}),
         "moe.a2a_overlap": Plan(moe={"a2a_overlap": True}),
     }
