@@ -37,8 +37,8 @@ def baseline(name):
     return _BASE[name]
 
 
-def assert_bitwise(name, result):
-    loss, grads, _, _ = baseline(name)
+def assert_bitwise(name, result, reference=None):
+    loss, grads, _, _ = reference or baseline(name)
     assert torch.equal(result[0], loss), (result[0].item(), loss.item())
     assert grads.keys() == result[1].keys()
     for key, grad in grads.items():
@@ -124,3 +124,13 @@ def test_dropout_replay_formula_is_bitwise():
         x = torch.randn(shape)
         out, mask = aten.native_dropout(x, 0.1, True)
         assert torch.equal(aten.native_dropout_backward(x, mask, 1 / 0.9), out)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny", "moe-tiny"])
+def test_fused_graphs_bitwise_and_save_memory(name):
+    # fused custom ops (mxgraph::rmsnorm, swiglu, gqa_attention, BDA with its seed input)
+    reference = run(name, mx.Plan(fusion=True))
+    for policy in ("norm", "act", "attn", "full"):
+        result = run(name, mx.Plan(fusion=True, recompute=policy))
+        assert_bitwise(name, result, reference)
+        assert saved(result) < saved(reference), policy

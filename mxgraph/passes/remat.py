@@ -95,6 +95,11 @@ def recompute_set(gm: GraphModule, nodes: set) -> set:
         if isinstance(val, torch.Tensor) or (isinstance(val, (list, tuple)) and val and all(
                 isinstance(v, torch.Tensor) for v in val)):
             out.add(n)
+    for n in list(out):  # constants (ones, arange, scalar_tensor) are remade, not saved
+        for a in n.all_input_nodes:
+            if a.op == "call_function" and not a.all_input_nodes and not is_random(a) and \
+                    not is_backward(a) and isinstance(a.meta.get("val"), torch.Tensor):
+                out.add(a)
     return out
 
 

@@ -14,7 +14,7 @@ whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dt
   custom ops (`mxgraph::*norm*`) count as norms.
 * **act** - `silu`/`gelu` (or a fused `mxgraph::*swiglu*`/`*gelu*` op) plus the pointwise
   ops that follow it (the SwiGLU `mul`, a bias add) up to the value that feeds a matmul.
-* **attn** - the core attention: an SDPA op, or a softmax whose input comes from a `bmm`
+* **attn** - the core attention: an SDPA op (or a fused `mxgraph::*attention*` op), or a softmax whose input comes from a `bmm`
   and whose output feeds a `bmm` (math attention); the unit grows backwards through every
   non-projection op (RoPE, repeat-KV copies, scaling, masks) to the q/k/v projections and
   forwards to the output projection.
@@ -255,33 +255,34 @@ def attn_units(g: Graph) -> list[set]:
     units = []
     taken: set = set()
     for n in g.forward:
-        is_sdpa = "scaled_dot_product" in op_name(n) and "backward" not in op_name(n)
+        name = op_name(n)
+        is_sdpa = ("scaled_dot_product" in name or (name.startswith("mxgraph::") and (
+            "attention" in name or "attn" in name))) and "backward" not in name
         if not (is_sdpa or _is_softmax_attention(g, n)) or n in taken:
             continue
         layer = layer_of(n)
-        unit = {n}
-        stack = [n]
-        while stack:  # backwards to the projections
-            m = stack.pop()
-            for a in m.all_input_nodes:
-                if a in unit or a not in g.forward_set or g.is_projection(a) or \
-                        layer_of(a) != layer or g.is_param_value(a):
-                    continue
-                unit.add(a)
-                stack.append(a)
-        stack = [n]
-        while stack:  # forwards to the output projection
-            m = stack.pop()
-            for u in g.fwd_users(m):
-                if u in unit or g.is_projection(u) or layer_of(u) != layer:
-                    continue
-                if any(a not in unit and not g.is_param_value(a) for a in u.all_input_nodes
-                       if a is not m and not is_random(a)):
-                    # joins a value from outside the attention core (a residual)
-                    if not (is_random(u) or getattr(u.target, "__name__", "") == "getitem"):
+        unit, grown = {n}, True
+        while grown:  # alternate until nothing joins: backwards to the q/k/v projections,
+            grown = False  # forwards to the output projection (the P@V bmm pulls in v)
+            stack = list(unit)
+            while stack:
+                m = stack.pop()
+                for a in m.all_input_nodes:
+                    if a in unit or a not in g.forward_set or g.is_projection(a) or \
+                            layer_of(a) != layer or g.is_param_value(a):
                         continue
-                unit.add(u)
-                stack.append(u)
+                    unit.add(a)
+                    stack.append(a)
+                    grown = True
+            stack = list(unit)
+            while stack:
+                m = stack.pop()
+                for u in g.fwd_users(m):
+                    if u in unit or g.is_projection(u) or layer_of(u) != layer:
+                        continue
+                    unit.add(u)
+                    stack.append(u)
+                    grown = True
         unit = g.with_aliases(unit)
         taken |= unit
         units.append(unit)
