@@ -67,6 +67,8 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> ForwardGraph:
     user_leaves = pytree.tree_leaves((args, kwargs))
     _check_user_inputs(signature, user_leaves)
     gm = ep.graph_module
+    for node, slot in zip(gm.graph.find_nodes(op="placeholder"), slots):
+        node.meta["mx_slot_kind"], node.meta["mx_slot_key"] = slot.kind, slot.key
     annotate_modules(gm)
     return ForwardGraph(gm=gm, slots=slots, constants=dict(ep.constants))
 

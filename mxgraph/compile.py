@@ -24,6 +24,7 @@ from mxgraph.errors import PlanError
 from mxgraph.joint import build_joint
 from mxgraph.passes.pipeline import FORWARD_PASSES, JOINT_PASSES, check_pass_names
 from mxgraph.passes.runner import record, run_pass
+from mxgraph.passes.shard_tp import shard_parameters
 from mxgraph.plan import Plan, require_built
 from mxgraph.runtime.mesh import Mesh
 from mxgraph.runtime.pipeline import PipelineExecutor
@@ -93,7 +94,7 @@ class Step:
 
     def _compile(self, args, kwargs):
         tag = f"sig{len(self._compiled)}" if self._compiled else ""
-        ctx = CompileContext.for_plan(self.plan, tag)
+        ctx = CompileContext.for_plan(self.plan, tag, self.mesh)
         self.contexts.append(ctx)
         if self.plan.pp > 1 or self.plan.micro_batches > 1:
             executor = compile_pipeline(self.model, self.plan, self.mesh, ctx, args, kwargs)
@@ -107,6 +108,7 @@ class Step:
         for spec in FORWARD_PASSES:
             gm = run_pass(spec, gm, ctx)
         forward.gm = gm
+        shard_parameters(self.model, gm, ctx)
         start = time.perf_counter()
         tensors = _slot_tensors(self.model, forward)
         joint = build_joint(forward, tensors, flat_inputs(args, kwargs))

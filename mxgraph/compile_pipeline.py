@@ -12,6 +12,7 @@ from mxgraph.errors import PlanError
 from mxgraph.joint import build_joint
 from mxgraph.passes.pipeline import FORWARD_PASSES, JOINT_PASSES
 from mxgraph.passes.runner import record, run_pass
+from mxgraph.passes.shard_tp import shard_parameters
 from mxgraph.passes.split_bw import split_bw
 from mxgraph.passes.split_stages import split_stages
 from mxgraph.runtime.mesh import Mesh
@@ -51,6 +52,7 @@ def compile_pipeline(model, plan, mesh: Mesh, ctx: CompileContext, args, kwargs
     for spec in FORWARD_PASSES:
         gm = run_pass(spec, gm, ctx)
     forward.gm = gm
+    shard_parameters(model, gm, ctx)
     stage_graphs = split_stages(forward, schedule.num_stages, plan.layout)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))

@@ -13,6 +13,8 @@ class CompileContext:
     """The plan, where dumps go, and what the runner recorded so far."""
 
     plan: Plan
+    mesh: object | None = None
+    """This rank's `runtime.mesh.Mesh` (None: one device)."""
     dump_dir: Path | None = None
     pass_index: int = 0
     """Number of the next dump entry (shared by forward and joint passes)."""
@@ -20,10 +22,10 @@ class CompileContext:
     """One summary record per pass run (see passes/runner.py)."""
 
     @classmethod
-    def for_plan(cls, plan: Plan, tag: str = "") -> "CompileContext":
+    def for_plan(cls, plan: Plan, tag: str = "", mesh=None) -> "CompileContext":
         root = plan.dump_dir or os.environ.get("MXGRAPH_DUMP")
         dump_dir = Path(root) / tag if root and tag else (Path(root) if root else None)
         if dump_dir is not None:
             dump_dir.mkdir(parents=True, exist_ok=True)
             (dump_dir / "summary.txt").write_text("")
-        return cls(plan=plan, dump_dir=dump_dir)
+        return cls(plan=plan, mesh=mesh, dump_dir=dump_dir)

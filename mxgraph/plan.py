@@ -243,7 +243,7 @@ def check_divides(axis: str, degree: int, what: str, total: int) -> None:
 # Capabilities not built yet: (field, test on the plan, what is missing). A plan that asks
 # for one raises PlanError at compile time; the entry goes when the capability lands.
 NOT_BUILT = [
-    ("tp", lambda p: p.tp > 1, "tensor parallelism"),
+    ("sequence_parallel", lambda p: p.sequence_parallel, "sequence parallelism"),
     ("ep", lambda p: p.ep > 1, "expert parallelism"),
     ("cp", lambda p: p.cp > 1, "context parallelism"),
     ("zero1", lambda p: p.zero1, "ZeRO-1 optimizer sharding"),

@@ -54,6 +54,7 @@ def test_unknown_toml_field(tmp_path):
 @pytest.mark.parametrize("name", [entry[0] for entry in NOT_BUILT])
 def test_unbuilt_capabilities_are_refused_by_name(name):
     plans = {
+        "sequence_parallel": Plan(tp=2, sequence_parallel=True),
         "tp": Plan(tp=2), "pp": Plan(pp=2), "vpp": Plan(vpp=2, schedule="interleaved"),
         "ep": Plan(ep=2), "cp": Plan(cp=2), "dp": Plan(dp=2), "zero1": Plan(zero1=True),
         "micro_batches": Plan(micro_batches=2), "layout": Plan(layout="E t | t L"),

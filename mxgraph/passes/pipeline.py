@@ -12,10 +12,14 @@ from mxgraph.passes.offload import offload_pass
 from mxgraph.passes.remat import remat_pass
 from mxgraph.passes.fuse import fuse_pass
 from mxgraph.passes.runner import PassSpec
+from mxgraph.passes.shard_tp import shard_tp_pass
 
 FORWARD_PASSES = [
     PassSpec("remove_noop", remove_noop_pass, "forward",
              "first: later matchers then see no alias/detach/identity dropout between ops"),
+    PassSpec("shard_tp", shard_tp_pass, "forward",
+             "before fusion and autograd: collectives get their conjugates derived, and "
+             "fused ops see local shapes"),
     PassSpec("fuse", fuse_pass, "forward",
              "before autograd: AOTAutograd derives each fused op's backward from its formula"),
 ]

@@ -121,8 +121,6 @@ def split_stages(forward: ForwardGraph, num_stages: int, layout: str | None = No
                  ) -> list[StageGraph]:
     gm = forward.gm
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    for node, slot in zip(placeholders, forward.slots):
-        node.meta["mx_slot_kind"] = slot.kind
     stage_of = assign_stages(gm, num_stages, layout)
     cheap = _recomputable(gm)
     output = gm.graph.find_nodes(op="output")[0]

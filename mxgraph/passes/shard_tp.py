@@ -1,0 +1,385 @@
+"""Tensor parallelism by sharding propagation on the forward graph.
+
+Every tensor value gets a placement: R (replicated) or S(d) (sharded along dim d over
+the TP group). Nodes are visited in order and a rule keyed by op decides the output
+placement from the inputs', inserting redistributions (differentiable collectives from
+`mxgraph.runtime.collectives`) where producer and consumer disagree.
+
+Parameter placements are chosen by the Megatron default, found from structure alone:
+a linear whose input is replicated gets its weight sharded by output rows (column
+parallel: S(0)), so its output is sharded on the last dim; a linear whose input is
+sharded on the last dim gets its weight sharded by input columns (row parallel: S(1)),
+its partial output is all-reduced, and its bias added after. Views, transposes,
+expands, pointwise ops, attention over heads and norms over unsharded dims keep the
+shard; anything else gathers its inputs first (correct, slower) — `gathers` in the
+node table shows where. A parameter read other than as a linear weight stays
+replicated. Numerics: equal up to all-reduce summation order.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.fx import GraphModule, Node
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+import mxgraph.runtime.collectives  # noqa: F401 - registers the collective ops
+from mxgraph.context import CompileContext
+from mxgraph.errors import PlanError
+from mxgraph.plan import divisors
+
+aten = torch.ops.aten
+mx = torch.ops.mxgraph
+R = None  # placement: replicated; an int d means sharded along dim d
+
+VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+KEEP_OPS = {aten.clone.default, aten.contiguous.default, aten._to_copy.default,
+            aten.to.dtype, aten.alias.default, aten.detach.default, aten.type_as.default}
+SPLIT_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default,
+             aten.unbind.int}
+
+
+class _Sharder:
+    def __init__(self, gm: GraphModule, ctx: CompileContext):
+        self.gm, self.graph = gm, gm.graph
+        self.tp = ctx.mesh.sizes["tp"]
+        self.group = ctx.mesh.group("tp").group_name
+        self.place: dict[Node, int | None] = {}
+        self.param_dim: dict[Node, int | None] = {}
+        self.copies: dict[Node, Node] = {}
+
+    # ---- helpers ----------------------------------------------------------------------
+    def insert(self, before: Node, target, args) -> Node:
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, args)
+        node.meta["custom"] = dict(before.meta.get("custom") or {})
+        return node
+
+    def copy_of(self, value: Node, user: Node) -> Node:
+        """`tp_copy(value)`: identity forward, all-reduce of the gradient backward. One per
+        value, so q, k and v reading the same input share one all-reduce."""
+        if value not in self.copies:
+            self.copies[value] = self.insert(user, mx.tp_copy.default, (value, self.group))
+            self.place[self.copies[value]] = R
+        return self.copies[value]
+
+    def to_replicated(self, user: Node, value: Node) -> Node:
+        dim = self.place.get(value, R)
+        if dim is R:
+            return value
+        gathered = self.insert(user, mx.tp_all_gather.default, (value, dim, self.group))
+        self.place[gathered] = R
+        return gathered
+
+    def shard_param(self, param: Node, dim: int, user: Node) -> bool:
+        """Choose S(dim) for a parameter placeholder read only as linear weights."""
+        if self.param_dim.get(param, "unset") != "unset":
+            return self.param_dim[param] == dim
+        ok = (param.op == "placeholder" and param.meta.get("mx_slot_kind") == "param"
+              and all(u.target is aten.linear.default and u.args[1] is param
+                      for u in param.users)
+              and param.meta["val"].shape[dim] % self.tp == 0)
+        self.param_dim[param] = dim if ok else R
+        return ok
+
+    # ---- rules ------------------------------------------------------------------------
+    def linear(self, node: Node) -> int | None:
+        x, weight = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else None
+        ndim = len(node.meta["val"].shape)
+        x_dim = self.place.get(x, R)
+        if x_dim is R and self.shard_param(weight, 0, node) and (
+                bias is None or self.shard_param_bias(bias, 0)):
+            node.replace_input_with(x, self.copy_of(x, node))
+            return ndim - 1
+        if x_dim == len(x.meta["val"].shape) - 1 and self.shard_param(weight, 1, node):
+            node.args = (x, weight)
+            with self.graph.inserting_after(node):
+                reduced = self.graph.call_function(mx.tp_all_reduce.default,
+                                                   (node, self.group))
+            node.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
+            reduced.meta["custom"] = dict(node.meta.get("custom") or {})
+            self.place[reduced] = R
+            if bias is not None:
+                with self.graph.inserting_after(reduced):
+                    added = self.graph.call_function(aten.add.Tensor, (reduced, bias))
+                reduced.replace_all_uses_with(added, delete_user_cb=lambda u: u is not added)
+                added.meta["custom"] = dict(node.meta.get("custom") or {})
+                self.place[added] = R
+            return R  # the linear itself is partial; only `reduced` is read
+        self.gather_all(node)
+        return R
+
+    def shard_param_bias(self, bias: Node, dim: int) -> bool:
+        ok = (bias.op == "placeholder" and bias.meta.get("mx_slot_kind") == "param"
+              and all(u.target is aten.linear.default and u.args[2] is bias
+                      for u in bias.users))
+        self.param_dim[bias] = dim if ok else R
+        return ok
+
+    def view(self, node: Node) -> int | None:
+        x, shape = node.args[0], list(node.args[1])
+        dim = self.place.get(x, R)
+        if dim is R:
+            return R
+        full_in = list(x.meta["val"].shape)
+        full_out = list(shape)
+        if -1 in full_out:  # infer it from the other sizes
+            known = math.prod(s for s in full_out if s != -1)
+            full_out[full_out.index(-1)] = math.prod(full_in) // known
+        out_dim = _view_dim(full_in, full_out, dim)
+        if out_dim is None or full_out[out_dim] % self.tp:
+            size = full_out[out_dim] if out_dim is not None else full_in[dim]
+            raise PlanError(f"tp={self.tp} cannot shard {node.name} ({node.target}: "
+                            f"{full_in} -> {full_out}) along the split dim of size {size}: "
+                            f"choose tp in {divisors(size)} (e.g. tp must divide the "
+                            f"number of heads and KV heads)")
+        local = list(full_out)
+        local[out_dim] //= self.tp
+        node.args = (x, local) + tuple(node.args[2:])
+        return out_dim
+
+    def expand(self, node: Node) -> int | None:
+        x, sizes = node.args[0], list(node.args[1])
+        dim = self.place.get(x, R)
+        if dim is R:
+            return R
+        out_dim = dim + len(sizes) - x.meta["val"].dim()
+        if sizes[out_dim] != -1:
+            sizes[out_dim] //= self.tp
+        node.args = (x, sizes) + tuple(node.args[2:])
+        return out_dim
+
+    def permute(self, node: Node) -> int | None:
+        x = node.args[0]
+        dim = self.place.get(x, R)
+        if dim is R:
+            return R
+        ndim = x.meta["val"].dim()
+        if node.target is aten.transpose.int:
+            a, b = (d % ndim for d in node.args[1:3])
+            return b if dim == a else a if dim == b else dim
+        if node.target is aten.t.default:
+            return 1 - dim
+        order = [d % ndim for d in node.args[1]]
+        return order.index(dim)
+
+    def unsqueeze(self, node: Node) -> int | None:
+        dim = self.place.get(node.args[0], R)
+        if dim is R:
+            return R
+        new = node.args[1] % node.meta["val"].dim()
+        return dim + 1 if new <= dim else dim
+
+    def slice_like(self, node: Node) -> int | None:
+        x = node.args[0]
+        dim = self.place.get(x, R)
+        ndim = x.meta["val"].dim()
+        along = node.args[1] % ndim if len(node.args) > 1 else 0
+        if dim is R:
+            return R
+        if along != dim:
+            dropped = node.target is aten.select.int and along < dim
+            return dim - 1 if dropped else dim
+        self.gather_all(node)
+        return R
+
+    def split(self, node: Node) -> int | None:
+        """Multi-output: every piece keeps the shard if the split is along another dim."""
+        x = node.args[0]
+        dim = self.place.get(x, R)
+        ndim = x.meta["val"].dim()
+        position = 1 if node.target is aten.unbind.int else 2
+        along = (node.args[position] if len(node.args) > position else
+                 node.kwargs.get("dim", 0)) % ndim
+        if dim is R or along == dim:
+            if dim is not R:
+                self.gather_all(node)
+            return R
+        return dim - 1 if node.target is aten.unbind.int and along < dim else dim
+
+    def cat(self, node: Node) -> int | None:
+        tensors, along = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        dims = {self.place.get(t, R) for t in tensors}
+        ndim = node.meta["val"].dim()
+        if len(dims) == 1 and (d := dims.pop()) is not R and d != along % ndim:
+            return d
+        self.gather_all(node)
+        return R
+
+    def attention(self, node: Node) -> int | None:
+        q, k, v = node.args[:3]
+        dims = [self.place.get(t, R) for t in (q, k, v)]
+        if dims == [1, 1, 1] and (len(node.args) < 4 or node.args[3] is None):
+            return 1
+        self.gather_all(node)
+        return R
+
+    def norm(self, node: Node) -> int | None:
+        x = node.args[0]
+        dim = self.place.get(x, R)
+        normalized = len(node.args[1])
+        if dim is not R and dim < x.meta["val"].dim() - normalized:
+            return dim
+        self.gather_all(node)
+        return R
+
+    def pointwise(self, node: Node) -> int | None:
+        out_ndim = node.meta["val"].dim()
+        tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"),
+                                                                 torch.Tensor)]
+        sharded = {out_ndim - a.meta["val"].dim() + self.place[a] for a in tensors
+                   if self.place.get(a, R) is not R}
+        if not sharded:
+            return R
+        if len(sharded) > 1:
+            self.gather_all(node)
+            return R
+        out_dim = sharded.pop()
+        for arg in tensors:
+            if self.place.get(arg, R) is not R:
+                continue
+            arg_dim = out_dim - (out_ndim - arg.meta["val"].dim())
+            if arg_dim >= 0 and arg.meta["val"].shape[arg_dim] != 1:
+                sliced = self.insert(node, mx.tp_slice.default, (arg, arg_dim, self.group))
+                node.replace_input_with(arg, sliced)
+            else:  # broadcast over the shard: its gradient is a partial sum per rank
+                node.replace_input_with(arg, self.copy_of(arg, node))
+        return out_dim
+
+    def gather_all(self, node: Node) -> None:
+        for arg in list(node.all_input_nodes):
+            if self.place.get(arg, R) is not R:
+                node.replace_input_with(arg, self.to_replicated(node, arg))
+        custom = dict(node.meta.get("custom") or {})
+        custom["tags"] = tuple(custom.get("tags", ())) + ("gathers",)
+        node.meta["custom"] = custom
+
+    def rule(self, node: Node):
+        target = node.target
+        if target is aten.linear.default:
+            return self.linear
+        if target in VIEW_OPS:
+            return self.view
+        if target is aten.expand.default:
+            return self.expand
+        if target in (aten.transpose.int, aten.permute.default, aten.t.default):
+            return self.permute
+        if target is aten.unsqueeze.default:
+            return self.unsqueeze
+        if target in (aten.slice.Tensor, aten.select.int):
+            return self.slice_like
+        if target is aten.cat.default:
+            return self.cat
+        if target in SPLIT_OPS:
+            return self.split
+        if getattr(target, "__name__", "") == "getitem":
+            return lambda n: self.place.get(n.args[0], R)
+        if target is aten.scaled_dot_product_attention.default:
+            return self.attention
+        if target in (aten.rms_norm.default, aten.layer_norm.default):
+            return self.norm
+        if target in KEEP_OPS:
+            return lambda n: self.place.get(n.args[0], R)
+        if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
+            return self.pointwise
+        return None
+
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            if node.op != "call_function" or node in self.place:
+                continue
+            if not any(self.place.get(a, R) is not R for a in node.all_input_nodes) and \
+                    node.target is not aten.linear.default:
+                self.place[node] = R
+                continue
+            rule = self.rule(node)
+            if rule is None:
+                self.gather_all(node)
+                self.place[node] = R
+            else:
+                self.place[node] = rule(node)
+        output = self.graph.find_nodes(op="output")[0]
+        for value in output.all_input_nodes:
+            if self.place.get(value, R) is not R:
+                output.replace_input_with(value, self.to_replicated(output, value))
+
+
+def _view_dim(full_in: list[int], full_out: list[int], dim: int) -> int | None:
+    """The output dim that carries input dim `dim`'s shard through a view, or None.
+
+    Groups of input and output dims with equal products are matched left to right; the
+    shard survives if `dim` is the leading non-1 dim of its group, and goes to the leading
+    non-1 output dim of the same group."""
+    i = j = 0
+    while i < len(full_in) and j < len(full_out):
+        gi, gj = [i], [j]
+        pi, pj = full_in[i], full_out[j]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                gi.append(i)
+                pi *= full_in[i]
+            else:
+                j += 1
+                gj.append(j)
+                pj *= full_out[j]
+        if dim in gi:
+            lead_in = next((d for d in gi if full_in[d] != 1), None)
+            lead_out = next((d for d in gj if full_out[d] != 1), None)
+            return lead_out if lead_in == dim else None
+        i, j = i + 1, j + 1
+    return None
+
+
+def shard_tp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
+    """Shard the forward graph for tensor parallelism (see module docstring).
+
+    Precondition: placeholders carry meta["mx_slot_kind"]. Guarantee: parameter
+    placeholders chosen for sharding carry meta["tp_shard_dim"] and their local shape;
+    every node's meta["val"] is re-propagated. Numerics: not bitwise (all-reduce order).
+    Returns `gm` unchanged when tp == 1.
+    """
+    if ctx.mesh is None or ctx.mesh.sizes["tp"] == 1:
+        return gm
+    sharder = _Sharder(gm, ctx)
+    sharder.run()
+    fake_mode = torch._guards.detect_fake_mode(
+        [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")])
+    fake_inputs = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta["val"]
+        dim = sharder.param_dim.get(node)
+        if isinstance(dim, int):
+            node.meta["tp_shard_dim"] = dim
+            shape = list(value.shape)
+            shape[dim] //= sharder.tp
+            with fake_mode:
+                value = torch.empty(shape, dtype=value.dtype, device=value.device)
+        fake_inputs.append(value)
+    gm.graph.lint()
+    gm.recompile()
+    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*fake_inputs)
+    return gm
+
+
+def shard_parameters(model: torch.nn.Module, gm: GraphModule, ctx: CompileContext) -> None:
+    """Replace each parameter the pass sharded by this rank's shard, in the model itself
+    (every alias of a tied parameter too), so `step.parameters()` are the local shards."""
+    if ctx.mesh is None or ctx.mesh.sizes["tp"] == 1:
+        return
+    tp, rank = ctx.mesh.sizes["tp"], ctx.mesh.coords["tp"]
+    named = dict(model.named_parameters(remove_duplicate=False))
+    for node in gm.graph.find_nodes(op="placeholder"):
+        dim = node.meta.get("tp_shard_dim")
+        if dim is None:
+            continue
+        full = named[node.meta["mx_slot_key"]]
+        if full.shape == node.meta["val"].shape:
+            continue  # already sharded by an earlier compile
+        shard = torch.nn.Parameter(full.detach().chunk(tp, dim)[rank].clone(),
+                                   requires_grad=full.requires_grad)
+        for name, param in named.items():
+            if param is full:
+                owner, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(owner) if owner else model, leaf, shard)

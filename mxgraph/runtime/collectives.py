@@ -1,0 +1,101 @@
+"""Differentiable collectives for sharded graphs, as torch.library custom ops.
+
+Each op names its process group by `group_name` (`ProcessGroup.group_name`) and has a
+registered backward, so AOTAutograd derives the conjugate collective (Megatron's f/g):
+
+| op                  | forward                         | backward                   |
+|---------------------|---------------------------------|----------------------------|
+| `tp_copy`           | identity (a replicated input)   | all-reduce (sum)           |
+| `tp_all_reduce`     | all-reduce (sum) of partials    | identity                   |
+| `tp_all_gather`     | all-gather along `dim`          | this rank's slice          |
+| `tp_slice`          | this rank's slice along `dim`   | all-gather                 |
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+def _group(name: str):
+    return _resolve_process_group(name)
+
+
+@torch.library.custom_op("mxgraph::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_group(group_name))
+    return out
+
+
+@tp_all_reduce.register_fake
+def _(x, group_name):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mxgraph::tp_copy", mutates_args=())
+def tp_copy(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return x.contiguous().clone()
+
+
+@tp_copy.register_fake
+def _(x, group_name):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mxgraph::tp_all_gather", mutates_args=())
+def tp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    group = _group(group_name)
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
+             for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+@tp_all_gather.register_fake
+def _(x, dim, group_name):
+    shape = list(x.shape)
+    shape[dim] *= dist.get_world_size(_group(group_name))
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("mxgraph::tp_slice", mutates_args=())
+def tp_slice(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    group = _group(group_name)
+    return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].clone(
+        memory_format=torch.contiguous_format)
+
+
+@tp_slice.register_fake
+def _(x, dim, group_name):
+    shape = list(x.shape)
+    shape[dim] //= dist.get_world_size(_group(group_name))
+    return x.new_empty(shape)
+
+
+def _backward_all_reduce(ctx, grad):
+    return tp_all_reduce(grad, ctx.group_name), None
+
+
+def _backward_identity(ctx, grad):
+    return grad, None
+
+
+def _backward_slice(ctx, grad):
+    return tp_slice(grad, ctx.dim, ctx.group_name), None, None
+
+
+def _backward_gather(ctx, grad):
+    return tp_all_gather(grad, ctx.dim, ctx.group_name), None, None
+
+
+def _keep_group(ctx, inputs, output):
+    ctx.group_name = inputs[-1]
+    if len(inputs) == 3:
+        ctx.dim = inputs[1]
+
+
+tp_copy.register_autograd(_backward_all_reduce, setup_context=_keep_group)
+tp_all_reduce.register_autograd(_backward_identity, setup_context=_keep_group)
+tp_all_gather.register_autograd(_backward_slice, setup_context=_keep_group)
+tp_slice.register_autograd(_backward_gather, setup_context=_keep_group)
