@@ -16,6 +16,9 @@ Per rank (one per pipeline stage; TP/CP/DP/EP peers hold the same amounts):
   / cp (sequence split); / tp with sequence parallelism, else only the tensor-parallel part
   (everything but norm outputs and the residual stream) / tp.
 * **offloaded** - host bytes the offload pass moves, same scaling (not on the device).
+* with `flash_attention` (default), math attention found in the trace (softmax between
+  two bmms, what the CPU picks for MLA's unequal head dims) is recomputed like a fused
+  attention kernel's backward, so no S x S matrix counts as saved.
 * **transient** - the traced graph's liveness peak minus parameters and saved values: the
   working set of one micro-batch's forward and backward (logits included).
 
@@ -76,7 +79,8 @@ def _config(name_or_config):
 
 
 def _trace_saved(config, plan: Plan, batch_size: int, seq_len: int, dtype: torch.dtype,
-                 stage: int, **overrides) -> tuple[int, int, int, int]:
+                 stage: int, flash_attention: bool = True, **overrides
+                 ) -> tuple[int, int, int, int]:
     """(device saved bytes, host bytes, bytes of norm outputs/residuals, transient) of one
     micro-batch for `config` with `overrides` (e.g. fewer layers), under the plan's policy."""
     import models
@@ -107,7 +111,10 @@ def _trace_saved(config, plan: Plan, batch_size: int, seq_len: int, dtype: torch
     policy = dataclasses.replace(plan, recompute=plan.recompute_stages.get(stage, plan.recompute),
                                  recompute_stages={}, memory_budget=None)
     ctx = CompileContext(plan=policy)
-    gm = offload_pass(remat_pass(gm, ctx), ctx)
+    gm = remat_pass(gm, ctx)
+    if flash_attention:
+        _as_flash_attention(gm)
+    gm = offload_pass(gm, ctx)
     hints = size_hints(gm)
     device, host = saved_roots(gm)
     replicated = set().union(*norm_units(Graph(gm)), set())
@@ -118,14 +125,30 @@ def _trace_saved(config, plan: Plan, batch_size: int, seq_len: int, dtype: torch
             max(0, peak - resident - saved))
 
 
+def _as_flash_attention(gm) -> None:
+    """Math attention (softmax between two bmms: what the CPU trace picks when q/k and v
+    head dims differ, as in MLA) saves S x S matrices that a fused attention kernel never
+    stores: recompute those units, as flash attention's backward does."""
+    from mxgraph.passes.remat import apply_remat
+    from mxgraph.passes.remat_regions import all_units, op_name
+    nodes = set()
+    for unit in all_units(gm, {"attn"}):
+        names = {op_name(n) for n in unit.nodes}
+        if not any("scaled_dot_product" in n or n.startswith("mxgraph::") for n in names):
+            nodes |= unit.nodes
+    if nodes:
+        apply_remat(gm, nodes)
+
+
 def trace_layer_activations(config, plan: Plan, batch_size: int, seq_len: int,
-                            dtype: torch.dtype = torch.bfloat16, stage: int = 0
-                            ) -> LayerActivations:
+                            dtype: torch.dtype = torch.bfloat16, stage: int = 0,
+                            flash_attention: bool = True) -> LayerActivations:
     """Saved bytes per layer kind under the plan's policy for `stage`, by differences of
     traces with one more layer of each kind (a saved value belongs to no single layer:
     the residual a layer saves is produced by the layer before)."""
     def trace(**overrides):
-        return _trace_saved(config, plan, batch_size, seq_len, dtype, stage, **overrides)
+        return _trace_saved(config, plan, batch_size, seq_len, dtype, stage, flash_attention,
+                            **overrides)
 
     n_dense = getattr(config, "n_dense_layers", None)
     if n_dense:  # dense + MoE layers
@@ -201,10 +224,12 @@ def _param_bytes(model, plan: Plan, layers: range, first: bool, last: bool) -> t
 
 
 def estimate_memory(model, plan: Plan, *, batch_size: int = 1, seq_len: int | None = None,
-                    dtype: torch.dtype = torch.bfloat16, dp: int | None = None
-                    ) -> list[StageMemory]:
+                    dtype: torch.dtype = torch.bfloat16, dp: int | None = None,
+                    flash_attention: bool = True) -> list[StageMemory]:
     """Per pipeline rank memory (see module docstring). `model`: a preset name or config;
-    `batch_size`: the micro-batch size; `seq_len`: default the config's max_seq_len."""
+    `batch_size`: the micro-batch size; `seq_len`: default the config's max_seq_len;
+    `flash_attention`: count math attention as a fused kernel would (no S x S saved);
+    False reproduces what the CPU runs."""
     import models
     config = _config(model)
     seq_len = seq_len or config.max_seq_len
@@ -220,7 +245,7 @@ def estimate_memory(model, plan: Plan, *, batch_size: int = 1, seq_len: int | No
         policy = plan.recompute_stages.get(stage, plan.recompute)
         if policy not in traced:
             traced[policy] = trace_layer_activations(config, plan, batch_size, seq_shard, dtype,
-                                                     stage)
+                                                     stage, flash_attention)
         acts = traced[policy]
         first, last = stage == 0, stage == plan.pp - 1
         params, elements = _param_bytes(full, plan, layers, first, last)

@@ -18,7 +18,8 @@ from tests.helpers import batch
 ])
 def test_estimate_matches_measured_step(name, policy):
     plan = mx.Plan(recompute=policy)
-    stage, = estimate_memory(name, plan, batch_size=2, seq_len=16, dtype=torch.float32)
+    stage, = estimate_memory(name, plan, batch_size=2, seq_len=16, dtype=torch.float32,
+                             flash_attention=False)  # as the CPU runs MLA: math attention
     torch.manual_seed(0)
     model = models.build_model(name)
     step = mx.compile(model, plan)
@@ -68,3 +69,12 @@ def test_inspect_memory_cli(tmp_path, capsys):
                      "--seq-len", "16", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert "params" in out and "acts" in out and png.stat().st_size > 1000
+
+
+def test_flash_attention_drops_the_score_matrices():
+    cfg = models.PRESETS["moe-tiny"][1]
+    args = dict(batch_size=1, seq_len=128, dtype=torch.float32)
+    math, = estimate_memory(cfg, mx.Plan(), flash_attention=False, **args)
+    flash, = estimate_memory(cfg, mx.Plan(), **args)
+    heads, layers = cfg.n_heads, cfg.n_layers
+    assert math.activations - flash.activations >= layers * heads * 128 * 128 * 4
