@@ -34,8 +34,7 @@ from torch.fx import GraphModule, Node
 from mxgraph.context import CompileContext
 from mxgraph.cost import node_cost
 from mxgraph.errors import PlanError
-from mxgraph.memory_saved import (is_alias, is_backward, node_bytes, saved_roots, size_hints,
-                                  storage_roots)
+from mxgraph.memory_saved import is_alias, is_backward, node_bytes, size_hints, storage_roots
 from mxgraph.passes.remat_regions import Unit, all_units, is_random
 from mxgraph.plan import RECOMPUTE_KINDS, parse_list
 
@@ -232,8 +231,3 @@ def choose_for_budget(gm: GraphModule, budget: int) -> list[Unit]:
     log.info("remat budget %d: %d units, %d bytes saved", budget, len(chosen), saved)
     return chosen
 
-
-def estimated_saved(gm: GraphModule) -> int:
-    device, _ = saved_roots(gm)
-    hints = size_hints(gm)
-    return sum(node_bytes(n, hints) for n in device)

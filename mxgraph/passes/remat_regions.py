@@ -14,10 +14,11 @@ whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dt
   custom ops (`mxgraph::*norm*`) count as norms.
 * **act** - `silu`/`gelu` (or a fused `mxgraph::*swiglu*`/`*gelu*` op) plus the pointwise
   ops that follow it (the SwiGLU `mul`, a bias add) up to the value that feeds a matmul.
-* **attn** - the core attention: an SDPA op (or a fused `mxgraph::*attention*` op), or a softmax whose input comes from a `bmm`
-  and whose output feeds a `bmm` (math attention); the unit grows backwards through every
-  non-projection op (RoPE, repeat-KV copies, scaling, masks) to the q/k/v projections and
-  forwards to the output projection.
+* **attn** - the core attention: an SDPA op (or a fused `mxgraph::*attention*` op), or a
+  softmax whose input comes from a `bmm` and whose output feeds a `bmm` (math attention);
+  the unit grows, until nothing joins, backwards through every non-projection op (RoPE,
+  repeat-KV copies, scaling, masks) to the q/k/v projections and forwards to the output
+  projection.
 * **mlp** - an act unit outside an MoE block, plus the projections that feed it (and
   their bias adds) and the projection it feeds.
 * **MoE block** - a layer holding a data-dependent routing op (`sort`, `argsort`) together
@@ -224,7 +225,6 @@ def act_units(g: Graph) -> list[set]:
         if packet(n) in (aten.silu, aten.gelu) or (name.startswith("mxgraph::") and (
                 "swiglu" in name or "gelu" in name) and "backward" not in name):
             unit = _grow_pointwise(g, {n}, set(), stop_at_matmul=True)
-            # only the ops on the way to the matmul: drop a residual add that slipped in
             units.append(g.with_aliases(unit))
     return units
 
