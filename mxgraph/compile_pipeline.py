@@ -53,7 +53,8 @@ def compile_pipeline(model, plan, mesh: Mesh, ctx: CompileContext, args, kwargs
         gm = run_pass(spec, gm, ctx)
     forward.gm = gm
     shard_parameters(model, gm, ctx)
-    stage_graphs = split_stages(forward, schedule.num_stages, plan.layout)
+    padding = (plan.pp, schedule.num_stages // plan.pp) if plan.empty_layers else None
+    stage_graphs = split_stages(forward, schedule.num_stages, plan.layout, padding)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     holders: dict[str, set[int]] = {}

@@ -247,7 +247,6 @@ NOT_BUILT = [
     ("ep", lambda p: p.ep > 1, "expert parallelism"),
     ("cp", lambda p: p.cp > 1, "context parallelism"),
     ("zero1", lambda p: p.zero1, "ZeRO-1 optimizer sharding"),
-    ("empty_layers", lambda p: p.empty_layers, "empty-layer padding"),
     ("overlap", lambda p: p.overlap, "comm-compute overlap passes"),
     ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),
     ("moe.hot_expert_replication", lambda p: p.moe.hot_expert_replication,

@@ -26,9 +26,10 @@ def local(reference: torch.Tensor, mine: torch.Tensor, step) -> torch.Tensor:
     return reference
 
 
-def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_len=16):
+def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_len=16,
+               model_kwargs=None):
     torch.manual_seed(0)
-    model = models.build_model(model_name)
+    model = models.build_model(model_name, **(model_kwargs or {}))
     for name, param in model.named_parameters():
         if name.endswith("attn.wk.bias"):  # softmax ignores it: its gradient is exactly 0
             param.requires_grad_(False)    # in exact arithmetic, rounding noise in fp32
@@ -124,3 +125,10 @@ def _tp_not_dividing_kv_heads(rank, world):
 
 def test_tp_must_divide_heads():
     run_ranks(4, _tp_not_dividing_kv_heads)
+
+
+def test_empty_layer_padding_5_layers_pp2_vpp2():
+    # 5 layers over 4 virtual stages: padded to 8 slots, 2 per stage
+    run_ranks(2, check_plan, "llama-tiny",
+              dict(pp=2, vpp=2, schedule="interleaved", micro_batches=2, empty_layers=True),
+              2, 8, 16, dict(n_layers=5))

@@ -21,7 +21,7 @@ from torch.fx import Graph, GraphModule, Node
 from mxgraph.capture import ForwardGraph, Slot
 from mxgraph.cost import node_cost
 from mxgraph.errors import PlanError
-from mxgraph.schedules.layout import balance_layers, parse_layout
+from mxgraph.schedules.layout import balance_layers, pad_empty_layers, parse_layout
 
 
 @dataclass
@@ -36,8 +36,11 @@ class StageGraph:
     user_inputs: list[int]  # index in the flattened user inputs, per "user" placeholder
 
 
-def layer_stages(gm: GraphModule, num_stages: int, layout: str | None) -> dict[int, int]:
-    """layer index -> stage."""
+def layer_stages(gm: GraphModule, num_stages: int, layout: str | None,
+                 empty_layers: tuple[int, int] | None = None) -> dict[int, int]:
+    """layer index -> stage. `empty_layers=(pp, vpp)` pads the layer count with
+    placeholder slots (`schedules.layout.pad_empty_layers`) so every virtual stage holds
+    the same number of slots; placeholders are metadata only."""
     layer_cost: dict[int, float] = {}
     embed = head = 0.0
     seen_layer = False
@@ -69,6 +72,10 @@ def layer_stages(gm: GraphModule, num_stages: int, layout: str | None) -> dict[i
                 result[layer] = stage
                 layer += 1
         return result
+    if empty_layers is not None:
+        slots = pad_empty_layers(len(layers), *empty_layers)
+        return {layer: stage for stage, group in enumerate(slots) for layer in group
+                if layer is not None}
     if len(layers) < num_stages:
         raise PlanError(f"{num_stages} pipeline stages need at least as many layers; the "
                         f"model has {len(layers)}: lower pp*vpp or add layers")
@@ -76,30 +83,20 @@ def layer_stages(gm: GraphModule, num_stages: int, layout: str | None) -> dict[i
     return {layer: stage for stage, group in enumerate(groups) for layer in group}
 
 
-def assign_stages(gm: GraphModule, num_stages: int, layout: str | None = None
-                  ) -> dict[Node, int]:
+def assign_stages(gm: GraphModule, num_stages: int, layout: str | None = None,
+                  empty_layers: tuple[int, int] | None = None) -> dict[Node, int]:
     """The stage of every call_function node."""
-    by_layer = layer_stages(gm, num_stages, layout)
+    by_layer = layer_stages(gm, num_stages, layout, empty_layers)
     stage_of, current = {}, 0
-    first_layered = True
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         layer = (node.meta.get("custom") or {}).get("layer")
         if layer is not None:
             current = by_layer[layer]
-            first_layered = False
-        elif not first_layered and _after_last_layer(node, by_layer):
-            current = num_stages - 1
         stage_of[node] = current
         node.meta["custom"] = {**node.meta.get("custom", {}), "stage": current}
     return stage_of
-
-
-def _after_last_layer(node: Node, by_layer: dict[int, int]) -> bool:
-    # a layer-less node after layered ones stays with the previous layer's stage; the
-    # head and loss end up in the last stage because the last layer is there.
-    return False
 
 
 def _recomputable(gm: GraphModule) -> set[Node]:
@@ -117,11 +114,11 @@ def _recomputable(gm: GraphModule) -> set[Node]:
     return {n for n in gm.graph.nodes if n.op == "call_function" and n not in tainted}
 
 
-def split_stages(forward: ForwardGraph, num_stages: int, layout: str | None = None
-                 ) -> list[StageGraph]:
+def split_stages(forward: ForwardGraph, num_stages: int, layout: str | None = None,
+                 empty_layers: tuple[int, int] | None = None) -> list[StageGraph]:
     gm = forward.gm
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    stage_of = assign_stages(gm, num_stages, layout)
+    stage_of = assign_stages(gm, num_stages, layout, empty_layers)
     cheap = _recomputable(gm)
     output = gm.graph.find_nodes(op="output")[0]
     loss = output.args[0][0]
