@@ -1,5 +1,10 @@
-"""Shared test settings: hypothesis is derandomized under CI and kept small everywhere."""
+"""Shared test settings: hypothesis is derandomized under CI and kept small everywhere;
+Triton kernels on CPU tensors run in Triton's interpreter, which must be switched on
+before anything imports triton (test_kernels_compile.py runs its compile checks in a
+subprocess without it)."""
 import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
 from hypothesis import settings
