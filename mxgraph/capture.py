@@ -73,6 +73,22 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> ForwardGraph:
     return ForwardGraph(gm=gm, slots=slots, constants=dict(ep.constants))
 
 
+def model_tensors(model: torch.nn.Module) -> tuple[dict, dict]:
+    """(parameters, buffers) by every name, aliases of tied weights included."""
+    return (dict(model.named_parameters(remove_duplicate=False)),
+            dict(model.named_buffers(remove_duplicate=False)))
+
+
+def slot_tensor(slot: Slot, tensors: tuple[dict, dict], constants: dict) -> torch.Tensor:
+    """The parameter, buffer or constant that feeds a slot of that kind."""
+    params, buffers = tensors
+    if slot.kind == "param":
+        return params[slot.key]
+    if slot.kind == "buffer":
+        return buffers[slot.key]
+    return constants[slot.key]
+
+
 def flat_inputs(args: tuple, kwargs: dict) -> list:
     """The user inputs in the order of the graph's input placeholders."""
     return pytree.tree_leaves((args, kwargs))

@@ -16,7 +16,7 @@ import torch
 
 import torch.distributed as dist
 
-from mxgraph.capture import capture, flat_inputs
+from mxgraph.capture import capture, flat_inputs, model_tensors, slot_tensor
 from mxgraph.codegen.python import CompiledGraph, generate
 from mxgraph.compile_pipeline import compile_pipeline, split_microbatches
 from mxgraph.context import CompileContext
@@ -144,17 +144,9 @@ def _world_size() -> int:
 
 
 def _slot_tensors(model, forward):
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
-    tensors = []
-    for slot in forward.slots:
-        if slot.kind == "param":
-            tensors.append(params[slot.key])
-        elif slot.kind == "buffer":
-            tensors.append(buffers[slot.key])
-        elif slot.kind == "constant":
-            tensors.append(forward.constants[slot.key])
-    return tensors
+    tensors = model_tensors(model)
+    return [slot_tensor(s, tensors, forward.constants) for s in forward.slots
+            if s.kind != "input"]
 
 
 def _signature(args, kwargs) -> tuple:

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from mxgraph.capture import capture
+from mxgraph.capture import capture, model_tensors, slot_tensor
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
 from mxgraph.joint import build_joint
@@ -55,8 +55,7 @@ def compile_pipeline(model, plan, mesh: Mesh, ctx: CompileContext, args, kwargs
     shard_parameters(model, gm, ctx)
     padding = (plan.pp, schedule.num_stages // plan.pp) if plan.empty_layers else None
     stage_graphs = split_stages(forward, schedule.num_stages, plan.layout, padding)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
+    model_state = model_tensors(model)
     holders: dict[str, set[int]] = {}
     for stage, graph in enumerate(stage_graphs):
         for slot in graph.forward.slots:
@@ -70,12 +69,8 @@ def compile_pipeline(model, plan, mesh: Mesh, ctx: CompileContext, args, kwargs
         placeholders = list(graph.forward.gm.graph.find_nodes(op="placeholder"))
         tensors, example = [], []
         for node, slot in zip(placeholders, graph.forward.slots):
-            if slot.kind == "param":
-                tensors.append(params[slot.key])
-            elif slot.kind == "buffer":
-                tensors.append(buffers[slot.key])
-            elif slot.kind == "constant":
-                tensors.append(graph.forward.constants[slot.key])
+            if slot.kind != "input":
+                tensors.append(slot_tensor(slot, model_state, graph.forward.constants))
             elif slot.key < graph.num_activations:
                 meta = node.meta["val"]
                 example.append(torch.zeros(meta.shape, dtype=meta.dtype).requires_grad_(

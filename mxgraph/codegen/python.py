@@ -13,6 +13,7 @@ from itertools import count
 
 import torch
 
+from mxgraph.capture import model_tensors, slot_tensor
 from mxgraph.context import CompileContext
 from mxgraph.joint import JointGraph
 
@@ -27,20 +28,15 @@ class CompiledGraph:
         self.fn = fn
 
     def arguments(self, model: torch.nn.Module, inputs: list) -> list:
-        params = dict(model.named_parameters(remove_duplicate=False))
-        buffers = dict(model.named_buffers(remove_duplicate=False))
+        tensors = model_tensors(model)
         args = []
         for slot in self.joint.inputs:
-            if slot.kind == "param":
-                args.append(params[slot.key])
-            elif slot.kind == "buffer":
-                args.append(buffers[slot.key])
-            elif slot.kind == "constant":
-                args.append(self.constants[slot.key])
-            elif slot.kind == "input":
+            if slot.kind == "input":
                 args.append(inputs[slot.key])
-            else:  # the loss's incoming gradient
+            elif slot.kind == "tangent":  # the loss's incoming gradient, set by run()
                 args.append(None)
+            else:
+                args.append(slot_tensor(slot, tensors, self.constants))
         return args
 
     def run(self, model: torch.nn.Module, inputs: list) -> torch.Tensor:

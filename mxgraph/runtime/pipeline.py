@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mxgraph.capture import model_tensors, slot_tensor
 from mxgraph.codegen.python import accumulate_grad
 from mxgraph.passes.split_bw import StagePrograms
 from mxgraph.runtime.mesh import Mesh
@@ -79,17 +80,12 @@ class PipelineExecutor:
     def forward(self, run: PipelineRun, stage: int, mb: int) -> None:
         rt = self.stages[stage]
         env = run.env[(stage, mb)] = {}
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        tensors = model_tensors(self.model)
         activations = run.acts_in.pop((stage, mb), [])
         inputs = run.microbatches[mb]
         for node, slot in zip(rt.programs.placeholders, rt.slots):
-            if slot.kind == "param":
-                env[node] = params[slot.key]
-            elif slot.kind == "buffer":
-                env[node] = buffers[slot.key]
-            elif slot.kind == "constant":
-                env[node] = rt.constants[slot.key]
+            if slot.kind in ("param", "buffer", "constant"):
+                env[node] = slot_tensor(slot, tensors, rt.constants)
             elif slot.kind == "input":
                 env[node] = activations[slot.key] if slot.key < rt.num_activations else \
                     inputs[rt.user_inputs[slot.key - rt.num_activations]]
