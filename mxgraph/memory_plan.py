@@ -88,8 +88,7 @@ def _trace_saved(config, plan: Plan, batch_size: int, seq_len: int, dtype: torch
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from mxgraph.capture import capture
-    from mxgraph.compile import _slot_tensors
+    from mxgraph.capture import capture, slot_tensor
     from mxgraph.context import CompileContext
     from mxgraph.joint import _GraphModule
     from mxgraph.memory import estimate_peak
@@ -105,7 +104,10 @@ def _trace_saved(config, plan: Plan, batch_size: int, seq_len: int, dtype: torch
     with mode:
         tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
     forward = capture(model, (tokens, tokens), {})
-    holder = _GraphModule(forward, _slot_tensors(model, forward))
+    named = (dict(model.named_parameters(remove_duplicate=False)),
+             dict(model.named_buffers(remove_duplicate=False)))
+    holder = _GraphModule(forward, [slot_tensor(slot, named, forward.constants)
+                                    for slot in forward.slots if slot.kind != "input"])
     with contextlib.ExitStack() as stack:
         gm = aot_export_joint_with_descriptors(stack, holder, (tokens, tokens)).graph_module
     policy = dataclasses.replace(plan, recompute=plan.recompute_stages.get(stage, plan.recompute),
