@@ -13,7 +13,6 @@ from __future__ import annotations
 import time
 
 import torch
-
 import torch.distributed as dist
 
 from mxgraph.capture import capture, flat_inputs, model_tensors, slot_tensor
@@ -64,12 +63,6 @@ class Step:
         else:
             loss = compiled.run(self.model, flat_inputs(args, kwargs))
         return self._reduce_data_parallel(loss)
-
-    def precompile(self, *args, **kwargs) -> None:
-        """Compile for this input signature now, without running a step."""
-        key = _signature(args, kwargs)
-        if key not in self._compiled:
-            self._compiled[key] = self._compile(args, kwargs)
 
     def prepare(self, *args, **kwargs) -> None:
         """Compile for these inputs' signature without running a step (after this,

@@ -94,5 +94,5 @@ class AdaptiveMoEStep:
         log.info("step %d runs the %s variant: %s", decision["step"], decision["variant"],
                  decision["reason"])
         for step in self.variants.values():  # compile both ahead, for this signature
-            step.precompile(tokens, *args, **kwargs)
+            step.prepare(tokens, *args, **kwargs)
         return self.variants[decision["variant"]](tokens, *args, **kwargs)
