@@ -132,3 +132,18 @@ def test_empty_layer_padding_5_layers_pp2_vpp2():
     run_ranks(2, check_plan, "llama-tiny",
               dict(pp=2, vpp=2, schedule="interleaved", micro_batches=2, empty_layers=True),
               2, 8, 16, dict(n_layers=5))
+
+
+def _every_schedule_pp4(rank, world, model_name):
+    for schedule, vpp in SCHEDULES:
+        micro = 8 if schedule == "dualpipev" else 4  # DualPipeV needs 2 * pp
+        check_plan(rank, world, model_name,
+                   dict(pp=4, vpp=vpp, schedule=schedule, micro_batches=micro), 1, 8, 16,
+                   dict(n_layers=8))
+
+
+@pytest.mark.parametrize("model_name", ["llama-tiny", "moe-tiny"])
+def test_pp4_every_schedule(model_name):
+    # one set of 4 processes runs all five schedules (loss and gradients, one step);
+    # 8 layers so that interleaved and DualPipeV have a layer for each of 8 stages
+    run_ranks(4, _every_schedule_pp4, model_name)
