@@ -5,8 +5,9 @@ Parts, each a function returning JSON-ready results, called in order by `main`:
     pp in {4, 8, 16} and m in {8, 16, 32}.
 (3) `deepseek_v3_layout`: DeepSeek-V3's 61 layers at PP=8, VPP=2, padded to 64 slots vs
     uneven splits, simulated step time and the gain.
-Part (2), real runs against torch.distributed.pipelining, belongs between them and comes
-with the executor.
+(2) with --real: the same llama on gloo processes, mxgraph's 1F1B, interleaved, ZB and
+    DualPipeV against torch.distributed.pipelining's peers, as throughput ratios
+    (`bench_pipeline_real.py`, which also runs alone with more options).
 
 Cost model of part (1): every rank does F = B = W = 1 of work per microbatch (a stage
 costs num_ranks / num_stages of that), BW = B + W, an overlapped F&B costs F + BW,
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mxgraph.errors import PlanError  # noqa: E402
 from mxgraph.schedules import Costs, build_schedule, simulate  # noqa: E402
@@ -140,10 +142,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, help="write all results as JSON to this file")
     parser.add_argument("--microbatches", type=int, default=32,
                         help="microbatches per step for part (3) (a multiple of 8)")
+    parser.add_argument("--real", action="store_true",
+                        help="also run part (2): real gloo runs vs torch.distributed.pipelining")
     args = parser.parse_args(argv)
     results = {}
     results["simulated_schedules"] = simulated_schedules()
     print_schedule_table(results["simulated_schedules"])
+    if args.real:
+        import bench_pipeline_real
+        results["real_vs_torch"] = bench_pipeline_real.main(["--seq-len", "64", "--steps", "2"])
     results["deepseek_v3_layout"] = deepseek_v3_layout(args.microbatches)
     print_deepseek_v3(results["deepseek_v3_layout"])
     if args.out:
