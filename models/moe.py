@@ -222,6 +222,17 @@ class Experts(nn.Module):
         return torch.bmm(h, self.w_down.transpose(1, 2))
 
 
+def sort_by_expert(expert_ids_TK: torch.Tensor, num_experts: int):
+    """Rows (token, choice) sorted by expert: the sort order, each row's token, and the
+    number of rows per expert."""
+    K = expert_ids_TK.shape[1]
+    flat_ids = expert_ids_TK.reshape(-1)
+    order = flat_ids.argsort(stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat_ids.device).scatter_add(
+        0, flat_ids, torch.ones_like(flat_ids))
+    return order, order // K, counts
+
+
 def dispatch_dropless(x_TD: torch.Tensor, weights_TK: torch.Tensor, expert_ids_TK: torch.Tensor,
                       experts: Experts) -> torch.Tensor:
     """Sort assignments by expert, run each expert on its rows, weight, and sum back per token.
@@ -231,11 +242,7 @@ def dispatch_dropless(x_TD: torch.Tensor, weights_TK: torch.Tensor, expert_ids_T
     """
     T, K = expert_ids_TK.shape
     E = experts.n_experts
-    flat_ids = expert_ids_TK.reshape(-1)
-    order = flat_ids.argsort(stable=True)
-    token_of_row = order // K
-    counts = torch.zeros(E, dtype=torch.long, device=x_TD.device).scatter_add(
-        0, flat_ids, torch.ones_like(flat_ids))
+    order, token_of_row, counts = sort_by_expert(expert_ids_TK, E)
     sizes = counts.tolist()
     for c in sizes:
         torch._check(c >= 0)
@@ -308,11 +315,7 @@ def dispatch_grouped_mm(x_TD: torch.Tensor, weights_TK: torch.Tensor,
     the sorted rows; per-expert counts live in the ``offs`` tensor, so every shape is static."""
     T, K = expert_ids_TK.shape
     E = experts.n_experts
-    flat_ids = expert_ids_TK.reshape(-1)
-    order = flat_ids.argsort(stable=True)
-    token_of_row = order // K
-    counts = torch.zeros(E, dtype=torch.long, device=x_TD.device).scatter_add(
-        0, flat_ids, torch.ones_like(flat_ids))
+    order, token_of_row, counts = sort_by_expert(expert_ids_TK, E)
     offs = counts.cumsum(0)
     x_rows = x_TD[token_of_row]
     h = (F.silu(grouped_mm(x_rows, experts.w_gate.transpose(1, 2), offs))
