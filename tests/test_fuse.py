@@ -47,12 +47,9 @@ def expected_counts(name: str, cfg) -> dict:
 
 
 def moe_counts(cfg, moe_layers: int) -> dict:
-    """The router op sums the best topk // topk_groups scores per group; models/moe.py sums
-    the best 2, so group-limited routers fuse only where the two agree (DeepSeek-V3: 8 // 4).
-    Permute and unpermute are two ops per dropless MoE layer."""
-    group = cfg.n_routed_experts // cfg.n_groups
-    router = cfg.n_groups == 1 or cfg.topk // cfg.topk_groups == min(2, group)
-    return {"moe_router": moe_layers * router,
+    """One router per MoE layer (the op takes the model's per-group score width as
+    group_topk); permute and unpermute are two ops per dropless MoE layer."""
+    return {"moe_router": moe_layers,
             "moe_permute": 2 * moe_layers * (cfg.capacity_factor is None)}
 
 

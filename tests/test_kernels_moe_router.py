@@ -26,7 +26,8 @@ def _configs(draw):
     e = groups * draw(st.integers(2, 9))
     topk_groups = draw(st.integers(1, groups))
     topk = draw(st.integers(topk_groups if groups > 1 else 1, topk_groups * (e // groups) if groups > 1 else e))
-    return e, topk, groups, topk_groups
+    group_topk = draw(st.integers(0, e // groups))  # 0: topk // topk_groups
+    return e, topk, groups, topk_groups, group_topk
 
 
 def _logits(t, e, dtype, seed=0):
@@ -38,9 +39,9 @@ def _logits(t, e, dtype, seed=0):
 @given(t=st.integers(1, 33), cfg=_configs(), dtype=st.sampled_from([torch.float32, torch.float16]),
        score_func=st.sampled_from(["softmax", "sigmoid"]), bias=st.booleans(), normalize=st.booleans())
 def test_triton_matches_reference(t, cfg, dtype, score_func, bias, normalize):
-    e, topk, groups, topk_groups = cfg
+    e, topk, groups, topk_groups, group_topk = cfg
     logits, b, g = _logits(t, e, dtype)
-    args = (b if bias else None, topk, score_func, groups, topk_groups, normalize, 2.5)
+    args = (b if bias else None, topk, score_func, groups, topk_groups, normalize, 2.5, group_topk)
     probs, ids, counts = K.moe_router_triton(logits, *args)
     want_probs, want_ids, want_counts = K.moe_router_reference(logits, *args)
     assert torch.equal(ids, want_ids), (ids, want_ids)
@@ -87,3 +88,12 @@ def test_opcheck():
     opcheck(torch.ops.mxgraph.moe_router.default, (logits.clone().requires_grad_(), None, 3, "softmax", 1, 1, False, 1.0))
     _, ids, _ = K.moe_router_reference(logits, b, 2, "sigmoid", 2, 1, True, 2.0)
     opcheck(torch.ops.mxgraph.moe_router_backward.default, (g[:, :2].contiguous(), logits, ids, "sigmoid", True, 2.0))
+
+
+def test_group_topk_sums_that_many_scores_per_group():
+    # 2 groups of 4; group 0 has one high score, group 1 two medium ones: summing the best
+    # one keeps group 0, summing the best two (DeepSeek-V3) keeps group 1
+    logits = torch.tensor([[4.0, -9, -9, -9, 1.5, 1.5, -9, -9]])
+    _, ids_1, _ = K.moe_router_reference(logits, None, 1, "sigmoid", 2, 1, False, 1.0, 1)
+    _, ids_2, _ = K.moe_router_reference(logits, None, 1, "sigmoid", 2, 1, False, 1.0, 2)
+    assert ids_1.item() == 0 and ids_2.item() in (4, 5)

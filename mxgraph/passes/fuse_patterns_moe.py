@@ -36,10 +36,10 @@ def _scores(node):
 
 
 def _groups(choice, topk: int):
-    """(ungrouped choice, num_groups, topk_groups, nodes) for a group-limited selection
+    """(ungrouped choice, num_groups, topk_groups, k2, nodes) for a group-limited selection
     ``view(masked_fill(grouped, ~scatter(zeros, 1, topk(sum(topk(grouped, k2).values),
     topk_groups).indices, True)[..., None], -inf), [T, E])`` with ``grouped = view(choice,
-    [T, G, E/G])`` and ``k2 == topk // topk_groups`` (what the op sums per group)."""
+    [T, G, E/G])``; k2 (the best scores summed per group) becomes the op's ``group_topk``."""
     if not is_op(choice, *VIEWS) or not is_op(choice.args[0], aten.masked_fill.Scalar):
         return None
     fill = choice.args[0]
@@ -63,11 +63,9 @@ def _groups(choice, topk: int):
     if best is None or best[0].args[0] is not grouped:
         return None
     num_groups, topk_groups = shape(grouped)[1], kept[1]
-    if best[1] != topk // topk_groups:
-        return None
     nodes += [mask, mask.args[2], kept[0], zeros, group_sum, group_sum.args[0], best[0], grouped]
     nodes += [u for u in kept[0].users] + [u for u in best[0].users]
-    return grouped.args[0], num_groups, topk_groups, nodes
+    return grouped.args[0], num_groups, topk_groups, best[1], nodes
 
 
 class MoERouter(Pattern):
@@ -75,14 +73,13 @@ class MoERouter(Pattern):
     values ``topk(scores, K).values``) with ``scores`` =
     ``softmax(logits, -1)`` or ``sigmoid(logits)``, ``choice`` = ``scores`` or ``scores +
     expert_bias`` (1-D, no gradient), optionally group-limited (DeepSeek-V3 form: per group the
-    sum of its best ``K // topk_groups`` choice scores, the best ``topk_groups`` groups kept,
+    sum of its best ``k2`` choice scores, the best ``topk_groups`` groups kept,
     ``masked_fill(-inf)``), then optionally ``w / (w.sum(-1, keepdim=True) + 1e-20)`` (or without
     the epsilon) and
-    ``w * route_scale``. (A model whose group score sums a different number of experts than
-    ``K // topk_groups`` is left alone: the op could not reproduce its choice.)
+    ``w * route_scale``.
 
     Rewrite to: ``mxgraph.moe_router(logits, expert_bias, K, score_func, num_groups,
-    topk_groups, normalize, route_scale)`` whose ``(probs, topk_ids)`` replace the gate weights
+    topk_groups, normalize, route_scale, group_topk=k2)`` whose ``(probs, topk_ids)`` replace the gate weights
     and the top-k indices.
     """
 
@@ -107,10 +104,10 @@ class MoERouter(Pattern):
         topk_node, k = chosen
         choice = topk_node.args[0]
         nodes = list(dict.fromkeys([node, topk_node] + [u for u in topk_node.users if u is not ids]))
-        num_groups, topk_groups = 1, 1
+        num_groups, topk_groups, group_topk = 1, 1, 0
         grouped = _groups(choice, k)
         if grouped is not None:
-            choice, num_groups, topk_groups, group_nodes = grouped
+            choice, num_groups, topk_groups, group_topk, group_nodes = grouped
             nodes += group_nodes
         bias = None
         if choice is not scores:
@@ -130,7 +127,7 @@ class MoERouter(Pattern):
             return None
         return Match(root[0], nodes, {"logits": logits, "bias": bias, "k": k, "ids": ids,
                                       "args": (score_func, num_groups, topk_groups, normalize,
-                                               route_scale)})
+                                               route_scale, group_topk)})
 
     def _weights(self, gather: Node):
         """((root, chain), normalize, route_scale) following the gate weights from `gather`."""

@@ -58,6 +58,15 @@ def _counts(ids: Tensor, num_experts: int) -> Tensor:
     return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(0, flat, torch.ones_like(flat))
 
 
+def _per_group(topk: int, num_groups: int, topk_groups: int, group_topk: int, experts: int) -> int:
+    """How many of a group's best selection scores sum to its score."""
+    per_group = group_topk or topk // topk_groups
+    if not 1 <= per_group <= experts // num_groups:
+        raise ValueError(f"group_topk={group_topk} must be between 1 and the group size "
+                         f"{experts // num_groups} (0 = topk // topk_groups)")
+    return per_group
+
+
 # --------------------------------------------------------------------------- reference
 def _scores(logits: Tensor, score_func: str) -> Tensor:
     x = logits.float()
@@ -66,13 +75,14 @@ def _scores(logits: Tensor, score_func: str) -> Tensor:
 
 def moe_router_reference(logits: Tensor, expert_bias: Tensor | None, topk: int, score_func: str = "softmax",
                          num_groups: int = 1, topk_groups: int = 1, normalize: bool = False,
-                         route_scale: float = 1.0):
+                         route_scale: float = 1.0, group_topk: int = 0):
     _check(logits, topk, score_func, num_groups, topk_groups)
     t, e = logits.shape
     scores = _scores(logits, score_func)
     sel = scores if expert_bias is None else scores + expert_bias.float()
     if num_groups > 1:
-        group_scores = sel.view(t, num_groups, -1).topk(topk // topk_groups, dim=-1).values.sum(-1)
+        group_scores = sel.view(t, num_groups, -1).topk(
+            _per_group(topk, num_groups, topk_groups, group_topk, e), dim=-1).values.sum(-1)
         keep = torch.zeros(t, num_groups, dtype=torch.bool, device=logits.device)
         keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
         sel = sel.masked_fill(~keep.repeat_interleave(e // num_groups, dim=1), float("-inf"))
@@ -181,7 +191,8 @@ def _router_bwd_kernel(g_ptr, logits_ptr, ids_ptr, dlogits_ptr, E, K, route_scal
 
 
 def moe_router_triton(logits: Tensor, expert_bias: Tensor | None, topk: int, score_func: str = "softmax",
-                      num_groups: int = 1, topk_groups: int = 1, normalize: bool = False, route_scale: float = 1.0):
+                      num_groups: int = 1, topk_groups: int = 1, normalize: bool = False, route_scale: float = 1.0,
+                      group_topk: int = 0):
     _check(logits, topk, score_func, num_groups, topk_groups)
     logits = logits.contiguous()
     t, e = logits.shape
@@ -191,7 +202,8 @@ def moe_router_triton(logits: Tensor, expert_bias: Tensor | None, topk: int, sco
     if t:
         _common.on(_router_fwd_kernel, logits.device)[(t,)](
             logits, expert_bias.contiguous() if expert_bias is not None else logits, probs, ids, e, topk,
-            e // num_groups if grouped else e, num_groups, topk_groups, topk // topk_groups if grouped else 1,
+            e // num_groups if grouped else e, num_groups, topk_groups,
+            _per_group(topk, num_groups, topk_groups, group_topk, e) if grouped else 1,
             route_scale, SIGMOID=score_func == "sigmoid", HAS_BIAS=expert_bias is not None, GROUPED=grouped,
             NORMALIZE=normalize, BLOCK_E=_common.block_for(e, lo=2), BLOCK_K=_common.block_for(topk, lo=2),
             BLOCK_G=_common.block_for(num_groups, lo=2))
@@ -215,16 +227,19 @@ def moe_router_backward_triton(grad_probs: Tensor, logits: Tensor, topk_ids: Ten
 @torch.library.custom_op("mxgraph::moe_router", mutates_args=())
 def moe_router(logits: Tensor, expert_bias: Tensor | None, topk: int, score_func: str = "softmax",
                num_groups: int = 1, topk_groups: int = 1, normalize: bool = False,
-               route_scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns ``(probs [T, K] fp32, topk_ids [T, K] int64, counts [E] int64)``."""
+               route_scale: float = 1.0, group_topk: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns ``(probs [T, K] fp32, topk_ids [T, K] int64, counts [E] int64)``.
+    ``group_topk``: how many of a group's best scores make its score (0 = topk // topk_groups;
+    DeepSeek-V3 uses 2)."""
     impl = moe_router_triton if _common.use_triton(logits) else moe_router_reference
     return _common.contiguous_outputs(
-        impl(logits, expert_bias, topk, score_func, num_groups, topk_groups, normalize, route_scale))
+        impl(logits, expert_bias, topk, score_func, num_groups, topk_groups, normalize, route_scale,
+             group_topk))
 
 
 @moe_router.register_fake
 def _(logits, expert_bias, topk, score_func="softmax", num_groups=1, topk_groups=1, normalize=False,
-      route_scale=1.0):
+      route_scale=1.0, group_topk=0):
     _check(logits, topk, score_func, num_groups, topk_groups)
     t, e = logits.shape
     return (logits.new_empty((t, topk), dtype=torch.float32), logits.new_empty((t, topk), dtype=torch.int64),
@@ -244,7 +259,7 @@ def _(grad_probs, logits, topk_ids, score_func="softmax", normalize=False, route
 
 
 def _setup(ctx, inputs, output):
-    logits, _, _, score_func, _, _, normalize, route_scale = inputs
+    logits, _, _, score_func, _, _, normalize, route_scale, _ = inputs
     _, ids, counts = output
     ctx.mark_non_differentiable(ids, counts)
     ctx.save_for_backward(logits, ids)
@@ -254,7 +269,7 @@ def _setup(ctx, inputs, output):
 def _bwd(ctx, grad_probs, _g_ids, _g_counts):
     logits, ids = ctx.saved_tensors
     dlogits = torch.ops.mxgraph.moe_router_backward(grad_probs, logits, ids, *ctx.args)
-    return dlogits, None, None, None, None, None, None, None
+    return dlogits, None, None, None, None, None, None, None, None
 
 
 moe_router.register_autograd(_bwd, setup_context=_setup)
