@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mxgraph.capture import capture, flat_inputs, model_tensors, slot_tensor
-from mxgraph.codegen.python import CompiledGraph, generate
+from mxgraph.codegen.python import generate
 from mxgraph.compile_pipeline import compile_pipeline, split_microbatches
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError

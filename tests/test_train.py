@@ -3,7 +3,6 @@ import numpy as np
 import pytest
 import torch
 
-import models
 import mxgraph as mx
 from mxgraph.cli import main as cli_main
 from mxgraph.data import Batches, load_tokens, split, stdlib_bytes

@@ -22,7 +22,7 @@ from mxgraph.capture import model_tensors, slot_tensor
 from mxgraph.codegen.python import accumulate_grad
 from mxgraph.passes.split_bw import StagePrograms
 from mxgraph.runtime.mesh import Mesh
-from mxgraph.schedules import (B, BW, F, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W,
+from mxgraph.schedules import (B, BW, F, OVERLAP_F_B, RECV_F, SEND_B, SEND_F, W,
                                Action, Schedule)
 
 _KIND_CODES = {SEND_F: 0, SEND_B: 1}

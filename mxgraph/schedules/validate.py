@@ -21,7 +21,6 @@ bracketed):
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Mapping
 
 from mxgraph.errors import PlanError
