@@ -35,19 +35,33 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def without_nproc(argv: list[str]) -> list[str]:
+    """The same command line without `--nproc N` / `--nproc=N` (for the torchrun child)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip or arg.startswith("--nproc="):
+            skip = False
+            continue
+        skip = arg == "--nproc"
+        if not skip:
+            kept.append(arg)
+    return kept
+
+
 def _train(args) -> int:
     if args.nproc > 1:
-        argv = [a for a in sys.argv[1:] if not a.startswith("--nproc")]
-        argv = [a for i, a in enumerate(argv) if not (i and sys.argv[1:][i - 1] == "--nproc")]
         command = [sys.executable, "-m", "torch.distributed.run",
-                   f"--nproc-per-node={args.nproc}", "-m", "mxgraph.cli"] + argv
+                   f"--nproc-per-node={args.nproc}", "-m", "mxgraph.cli"] + \
+            without_nproc(sys.argv[1:])
         return subprocess.call(command)
     from mxgraph.train import train
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     result = train(cfg, progress=not args.no_progress)
-    print(f"train loss {result['train_loss']:.4f} | validation loss {result['val_loss']:.4f} "
-          f"nats/token | {result['tokens_per_s']:,.0f} tokens/s | {result['seconds']:.1f} s")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"train loss {result['train_loss']:.4f} | validation loss "
+              f"{result['val_loss']:.4f} nats/token | {result['tokens_per_s']:,.0f} tokens/s | "
+              f"{result['seconds']:.1f} s")
     return 0
 
 

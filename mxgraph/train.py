@@ -154,19 +154,32 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     seconds = time.perf_counter() - start
     if checkpointer is not None:
         checkpointer.close()
-    val_loss = evaluate(model, val_tokens, cfg)
+    sharded = not cfg.eager and (plan.tp > 1 or plan.pp > 1)
+    val_loss = evaluate(step_fn if sharded else model, val_tokens, cfg)
     done = max(1, cfg.steps - start_step)
     return {"train_loss": loss_value, "val_loss": val_loss, "seconds": seconds,
             "tokens_per_s": done * cfg.batch_size * cfg.seq_len / seconds,
             "start_step": start_step}
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, val_tokens: np.ndarray, cfg: TrainConfig) -> float:
-    """Mean loss (nats per token) over `cfg.val_batches` fixed validation batches."""
-    was_training = model.training
-    model.eval()
+def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig) -> float:
+    """Mean loss (nats per token) over `cfg.val_batches` fixed validation batches.
+
+    An eager model is evaluated in eval mode without gradients. A compiled step whose
+    parameters are sharded (tp or pp > 1) is the only thing that can compute the loss, so
+    it runs its training step and the gradients are dropped (dropout stays active)."""
     batches = Batches(val_tokens, cfg.batch_size, cfg.seq_len, seed=12345)
-    losses = [model(*batches.next()).item() for _ in range(cfg.val_batches)]
-    model.train(was_training)
+    if isinstance(step_or_model, torch.nn.Module):
+        model = step_or_model
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            losses = [model(*batches.next()).item() for _ in range(cfg.val_batches)]
+        model.train(was_training)
+        return float(np.mean(losses))
+    losses = []
+    for _ in range(cfg.val_batches):
+        losses.append(step_or_model(*batches.next()).item())
+        for param in step_or_model.parameters():
+            param.grad = None
     return float(np.mean(losses))

@@ -55,6 +55,13 @@ def test_cli_help_and_run(capsys):
     assert "validation loss" in capsys.readouterr().out
 
 
+def test_nproc_is_dropped_for_the_torchrun_child():
+    from mxgraph.cli import without_nproc
+    assert without_nproc(["train", "--nproc", "2", "--steps", "3"]) == ["train", "--steps", "3"]
+    assert without_nproc(["train", "--nproc=4", "--plan", "p.toml"]) == ["train", "--plan",
+                                                                         "p.toml"]
+
+
 def test_untraceable_model_names_module_and_line():
     class Gate(torch.nn.Module):
         def forward(self, x):
