@@ -50,7 +50,7 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 def _train(args) -> int:
     if args.nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run",
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={args.nproc}", "-m", "mxgraph.cli"] + \
             without_nproc(sys.argv[1:])
         return subprocess.call(command)

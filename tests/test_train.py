@@ -99,3 +99,22 @@ def test_save_and_resume_continue_bitwise(tmp_path, monkeypatch):
     assert resumed["start_step"] == 3
     assert resumed["train_loss"] == straight["train_loss"]
     assert resumed["val_loss"] == straight["val_loss"]
+
+
+def test_nproc_2_tensor_parallel_matches_one_device(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "tp2.toml").write_text("tp = 2\n")
+    common = ["--steps", "3", "--batch-size", "4", "--seq-len", "32", "--val-batches", "2",
+              "--no-progress"]
+    runs = [subprocess.run([sys.executable, "-m", "mxgraph.cli", "train", *extra, *common],
+                           capture_output=True, text=True, timeout=600,
+                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+            for extra in ([], ["--nproc", "2", "--plan", str(tmp_path / "tp2.toml")])]
+    lines = []
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+        lines.append([l for l in run.stdout.splitlines() if "validation loss" in l])
+    assert len(lines[1]) == 1  # printed by rank 0 only
+    # same losses to the printed 4 decimals (TP all-reduces sum in another order)
+    assert lines[0][0].split("|")[:2] == lines[1][0].split("|")[:2]
