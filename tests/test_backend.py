@@ -3,6 +3,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import copy, sys, torch
     import models
@@ -58,12 +60,9 @@ def run(script: str) -> str:
     return result.stdout
 
 
-def test_backend_matches_eager_llama_and_moe():
-    assert "PARITY OK" in run(SCRIPT.format(name="llama-tiny"))
-
-
-def test_backend_gpt():
-    assert "PARITY OK" in run(SCRIPT.format(name="gpt-tiny"))
+@pytest.mark.parametrize("name", ["llama-tiny", "moe-tiny", "gpt-tiny"])
+def test_backend_matches_eager(name):
+    assert "PARITY OK" in run(SCRIPT.format(name=name))
 
 
 def test_backend_handles_graph_breaks():

@@ -62,6 +62,16 @@ def test_drawn_llama_configs(dim, heads, kv_ratio, layers, seq, tie):
     check_parity(model, batch(seq_len=seq), steps=1)
 
 
+@settings(max_examples=2)
+@given(family=st.sampled_from(["gpt-tiny", "moe-tiny"]), dim=st.sampled_from([32, 64]),
+       layers=st.integers(1, 2), seq=st.integers(4, 16), seed=st.integers(0, 3))
+def test_drawn_gpt_and_moe_configs(family, dim, layers, seq, seed):
+    torch.manual_seed(seed)
+    extra = {"moe_ffn_dim": dim} if family == "moe-tiny" else {"ffn_dim": 2 * dim}
+    model = models.build_model(family, dim=dim, n_layers=layers, **extra)
+    check_parity(model, batch(seq_len=seq, seed=seed), steps=1)
+
+
 class AttentionOnly(nn.Module):
     """SDPA whose backward a bad decomposition gets wrong (TORCH_NOTES: off by 0.72)."""
 
