@@ -43,7 +43,7 @@ class _Sharder:
     def __init__(self, gm: GraphModule, ctx: CompileContext):
         self.gm, self.graph = gm, gm.graph
         self.tp = ctx.mesh.sizes["tp"]
-        self.group = ctx.mesh.group("tp").group_name
+        self.group = ctx.mesh.group_name("tp")
         self.place: dict[Node, int | None] = {}
         self.param_dim: dict[Node, int | None] = {}
         self.copies: dict[Node, Node] = {}

@@ -9,6 +9,15 @@ registered backward, so AOTAutograd derives the conjugate collective (Megatron's
 | `tp_all_reduce`     | all-reduce (sum) of partials    | identity                   |
 | `tp_all_gather`     | all-gather along `dim`          | this rank's slice          |
 | `tp_slice`          | this rank's slice along `dim`   | all-gather                 |
+| `sp_all_gather`     | all-gather along `dim`          | reduce-scatter along `dim` |
+| `sp_reduce_scatter` | reduce-scatter along `dim`      | all-gather along `dim`     |
+
+`KIND` maps each op's name to the collective it runs in its forward ("all_reduce",
+"all_gather", "reduce_scatter", "all_to_all"), or None for ops that move no data (their
+backward is another op in this table, so a joint graph shows it by name). The volume of
+one call is the size in bytes of the full tensor: the all-reduce's tensor, the
+all-gather's output, the reduce-scatter's input, the all-to-all's input (the convention of
+Megatron-LM's formulas, not the bytes a ring algorithm puts on the wire).
 """
 from __future__ import annotations
 
@@ -17,8 +26,31 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 
+KIND = {
+    "tp_all_reduce": "all_reduce",
+    "tp_copy": None,
+    "tp_all_gather": "all_gather",
+    "tp_slice": None,
+    "sp_all_gather": "all_gather",
+    "sp_reduce_scatter": "reduce_scatter",
+}
+
+
+GROUP_SIZES: dict[str, int] = {}
+"""Sizes of groups that exist only on paper (`group_size` reads these first): tracing a
+plan for thousands of ranks on the meta device in one process names groups like
+"fake:tp:8" here instead of creating them."""
+
+
 def _group(name: str):
     return _resolve_process_group(name)
+
+
+def group_size(name: str) -> int:
+    """The number of ranks in group `name` (a real process group, or one in GROUP_SIZES)."""
+    if name in GROUP_SIZES:
+        return GROUP_SIZES[name]
+    return dist.get_world_size(_group(name))
 
 
 @torch.library.custom_op("mxgraph::tp_all_reduce", mutates_args=())
@@ -55,7 +87,7 @@ def tp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 @tp_all_gather.register_fake
 def _(x, dim, group_name):
     shape = list(x.shape)
-    shape[dim] *= dist.get_world_size(_group(group_name))
+    shape[dim] *= group_size(group_name)
     return x.new_empty(shape)
 
 
@@ -69,7 +101,35 @@ def tp_slice(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 @tp_slice.register_fake
 def _(x, dim, group_name):
     shape = list(x.shape)
-    shape[dim] //= dist.get_world_size(_group(group_name))
+    shape[dim] //= group_size(group_name)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("mxgraph::sp_all_gather", mutates_args=())
+def sp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    return tp_all_gather(x, dim, group_name)
+
+
+@sp_all_gather.register_fake
+def _(x, dim, group_name):
+    shape = list(x.shape)
+    shape[dim] *= group_size(group_name)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("mxgraph::sp_reduce_scatter", mutates_args=())
+def sp_reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    group = _group(group_name)
+    parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+@sp_reduce_scatter.register_fake
+def _(x, dim, group_name):
+    shape = list(x.shape)
+    shape[dim] //= group_size(group_name)
     return x.new_empty(shape)
 
 
@@ -89,6 +149,10 @@ def _backward_gather(ctx, grad):
     return tp_all_gather(grad, ctx.dim, ctx.group_name), None, None
 
 
+def _backward_reduce_scatter(ctx, grad):
+    return sp_reduce_scatter(grad, ctx.dim, ctx.group_name), None, None
+
+
 def _keep_group(ctx, inputs, output):
     ctx.group_name = inputs[-1]
     if len(inputs) == 3:
@@ -99,3 +163,5 @@ tp_copy.register_autograd(_backward_all_reduce, setup_context=_keep_group)
 tp_all_reduce.register_autograd(_backward_identity, setup_context=_keep_group)
 tp_all_gather.register_autograd(_backward_slice, setup_context=_keep_group)
 tp_slice.register_autograd(_backward_gather, setup_context=_keep_group)
+sp_all_gather.register_autograd(_backward_reduce_scatter, setup_context=_keep_group)
+sp_reduce_scatter.register_autograd(_backward_gather, setup_context=_keep_group)

@@ -39,8 +39,27 @@ class Mesh:
         coords = dict(zip(AXES, mesh.get_coordinate()))
         return cls(sizes, coords, mesh)
 
+    @classmethod
+    def on_paper(cls, **sizes: int) -> "Mesh":
+        """A mesh of rank 0 whose groups exist only by name (see `group_name`): for
+        compiling a plan for many ranks in one process, e.g. on the meta device, to read
+        its graphs (communication report, memory estimate). Steps compiled on it cannot
+        run. Missing axes have size 1."""
+        sizes = {axis: sizes.get(axis, 1) for axis in AXES}
+        return cls(sizes, {axis: 0 for axis in AXES}, None)
+
     def group(self, axis: str):
         return None if self.device_mesh is None else self.device_mesh.get_group(axis)
+
+    def group_name(self, axis: str) -> str:
+        """The process-group name the collective ops take for `axis`; on a paper mesh a
+        name registered in `collectives.GROUP_SIZES` with the axis size."""
+        if self.device_mesh is not None:
+            return self.device_mesh.get_group(axis).group_name
+        from mxgraph.runtime.collectives import GROUP_SIZES
+        name = f"paper:{axis}:{self.sizes[axis]}"
+        GROUP_SIZES[name] = self.sizes[axis]
+        return name
 
     def rank_at(self, **coords) -> int:
         """The global rank at this rank's coordinates, with `coords` replaced."""
