@@ -42,8 +42,10 @@ class MoEOptions:
 class Plan:
     """The parallel layout and the rewrites of one training step.
 
-    Axes multiply to the world size: `tp * pp * dp * cp` (EP reuses the data-parallel
-    and context-parallel ranks for experts, as in Megatron-LM).
+    Axes multiply to the world size: `tp * pp * dp * cp`. EP reuses data-parallel ranks
+    for experts (as in Megatron-LM): `ep` divides `dp`, each group of `ep` neighbouring
+    data-parallel ranks splits the routed experts, and the `dp / ep` ranks holding the
+    same experts average their gradients.
     """
 
     tp: int = 1
@@ -143,9 +145,9 @@ class Plan:
             raise PlanError(
                 f"dp={self.dp} but world size {world_size} / (tp*pp*cp={model_ranks}) = {dp}; "
                 f"set dp={dp} or leave dp unset")
-        if (dp * self.cp) % self.ep:
-            raise PlanError(f"ep={self.ep} does not divide dp*cp = {dp * self.cp}; "
-                            f"choose ep in {divisors(dp * self.cp)}")
+        if dp % self.ep:
+            raise PlanError(f"ep={self.ep} does not divide dp = {dp} (expert-parallel ranks "
+                            f"are data-parallel ranks); choose ep in {divisors(dp)}")
         return dp
 
     def fusion_kinds(self) -> tuple[str, ...]:

@@ -1,8 +1,11 @@
 """The device mesh of a plan: one process group per parallel axis.
 
 Axes, outermost first: pp, dp, cp, tp (tp fastest, so a TP group sits on one node, as in
-Megatron-LM). Built with `torch.distributed.device_mesh.init_device_mesh`; gloo on the
-CPU, nccl on `cuda` (MCCL on MXMACA).
+Megatron-LM). The data-parallel axis is itself (edp, ep): `ep` neighbouring data-parallel
+ranks split the routed experts, and the `edp = dp / ep` ranks holding the same experts
+reduce their gradients together. Groups: "pp", "dp", "edp", "ep", "cp", "tp". Built with
+`torch.distributed.device_mesh.init_device_mesh`; gloo on the CPU, nccl on `cuda` (MCCL
+on MXMACA).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from mxgraph.errors import PlanError
 from mxgraph.plan import Plan
 
 AXES = ("pp", "dp", "cp", "tp")
+MESH_AXES = ("pp", "edp", "ep", "cp", "tp")  # the device mesh's dims: dp = edp x ep
 
 
 @dataclass
@@ -29,14 +33,19 @@ class Mesh:
     @classmethod
     def from_plan(cls, plan: Plan, device_type: str = "cpu") -> "Mesh":
         world = dist.get_world_size() if dist.is_initialized() else 1
-        sizes = {"pp": plan.pp, "dp": plan.resolve_dp(world), "cp": plan.cp, "tp": plan.tp}
+        dp = plan.resolve_dp(world)
+        sizes = {"pp": plan.pp, "dp": dp, "cp": plan.cp, "tp": plan.tp,
+                 "ep": plan.ep, "edp": dp // plan.ep}
         if world == 1:
-            return cls(sizes, {axis: 0 for axis in AXES}, None)
+            return cls(sizes, {axis: 0 for axis in sizes}, None)
         if not dist.is_initialized():
             raise PlanError("a multi-rank plan needs torch.distributed initialised; start "
                             "with torchrun or `mxgraph train --nproc N`")
-        mesh = init_device_mesh(device_type, tuple(sizes[a] for a in AXES), mesh_dim_names=AXES)
-        coords = dict(zip(AXES, mesh.get_coordinate()))
+        mesh = init_device_mesh(device_type, tuple(sizes[a] for a in MESH_AXES),
+                                mesh_dim_names=MESH_AXES)
+        mesh["edp", "ep"]._flatten(mesh_dim_name="dp")
+        coords = dict(zip(MESH_AXES, mesh.get_coordinate()))
+        coords["dp"] = coords["edp"] * sizes["ep"] + coords["ep"]
         return cls(sizes, coords, mesh)
 
     @classmethod
@@ -45,8 +54,9 @@ class Mesh:
         compiling a plan for many ranks in one process, e.g. on the meta device, to read
         its graphs (communication report, memory estimate). Steps compiled on it cannot
         run. Missing axes have size 1."""
-        sizes = {axis: sizes.get(axis, 1) for axis in AXES}
-        return cls(sizes, {axis: 0 for axis in AXES}, None)
+        sizes = {axis: sizes.get(axis, 1) for axis in AXES + ("ep",)}
+        sizes["edp"] = sizes["dp"] // sizes["ep"]
+        return cls(sizes, {axis: 0 for axis in sizes}, None)
 
     def group(self, axis: str):
         return None if self.device_mesh is None else self.device_mesh.get_group(axis)
