@@ -63,7 +63,11 @@ class Plan:
     sequence_parallel: bool = False
     """With tp > 1: norms, dropout and residuals work on sequence shards."""
     zero1: bool = False
-    """Shard optimizer state over the data-parallel ranks (ZeRO stage 1)."""
+    """Shard optimizer state over the data-parallel ranks (ZeRO stage 1): `step.parameters()`
+    are then this rank's flat shards, one per gradient bucket (see runtime/data_parallel.py)."""
+    bucket_mb: float = 25.0
+    """Size cap in MiB of a gradient bucket: data-parallel gradients move in one collective
+    per bucket."""
     micro_batches: int = 1
     """Micro-batches per step (pipeline schedules and gradient accumulation)."""
     schedule: str = "1f1b"
@@ -127,6 +131,9 @@ class Plan:
             raise PlanError(f"offload_prefetch={self.offload_prefetch!r} must be an integer >= 0")
         for kind in self.fusion_kinds():
             _check_choice("fusion", kind, FUSION_KINDS)
+        if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
+            raise PlanError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB "
+                            f"(e.g. 25.0)")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise PlanError(f"memory_budget={self.memory_budget} must be a positive byte count")
         if world_size is not None:
@@ -245,10 +252,9 @@ def check_divides(axis: str, degree: int, what: str, total: int) -> None:
 # Capabilities not built yet: (field, test on the plan, what is missing). A plan that asks
 # for one raises PlanError at compile time; the entry goes when the capability lands.
 NOT_BUILT = [
-    ("sequence_parallel", lambda p: p.sequence_parallel, "sequence parallelism"),
-    ("ep", lambda p: p.ep > 1, "expert parallelism"),
     ("cp", lambda p: p.cp > 1, "context parallelism"),
-    ("zero1", lambda p: p.zero1, "ZeRO-1 optimizer sharding"),
+    ("zero1", lambda p: p.zero1 and p.moe.adaptive_recompute_threshold is not None,
+     "ZeRO-1 with MoE adaptive recompute (its two compiled variants would shard apart)"),
     ("overlap", lambda p: p.overlap, "comm-compute overlap passes"),
     ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),
     ("moe.hot_expert_replication", lambda p: p.moe.hot_expert_replication,

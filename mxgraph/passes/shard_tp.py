@@ -9,11 +9,20 @@ Parameter placements are chosen by the Megatron default, found from structure al
 a linear whose input is replicated gets its weight sharded by output rows (column
 parallel: S(0)), so its output is sharded on the last dim; a linear whose input is
 sharded on the last dim gets its weight sharded by input columns (row parallel: S(1)),
-its partial output is all-reduced, and its bias added after. Views, transposes,
+its partial output is all-reduced, and its bias added after. Embedding and cross-entropy
+are vocabulary-parallel (`shard_vocab.py`). Views, transposes,
 expands, pointwise ops, attention over heads and norms over unsharded dims keep the
 shard; anything else gathers its inputs first (correct, slower) — `gathers` in the
-node table shows where. A parameter read other than as a linear weight stays
-replicated. Numerics: equal up to all-reduce summation order.
+node table shows where. A parameter read other than as a linear weight (or an embedding
+table) stays replicated.
+
+Sequence parallelism (`Plan(sequence_parallel=True)`, Megatron-LM's SP): activations
+[..., s, h] between a row-parallel linear and the next column-parallel one are sharded
+along the sequence (the dim before the last): the row-parallel output is reduce-scattered
+along it instead of all-reduced, norms, dropout and residual adds run on the sequence
+shard, and the column-parallel input is all-gathered (backward: reduce-scatter). Replicated
+parameters read in that region (norm weights, biases) get their gradient summed over the
+group by a `tp_copy`. Numerics: equal up to all-reduce summation order.
 """
 from __future__ import annotations
 
@@ -26,6 +35,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 import mxgraph.runtime.collectives  # noqa: F401 - registers the collective ops
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
+from mxgraph.passes import shard_vocab
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
@@ -34,7 +44,10 @@ R = None  # placement: replicated; an int d means sharded along dim d
 
 VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 KEEP_OPS = {aten.clone.default, aten.contiguous.default, aten._to_copy.default,
-            aten.to.dtype, aten.alias.default, aten.detach.default, aten.type_as.default}
+            aten.to.dtype, aten.alias.default, aten.detach.default, aten.type_as.default,
+            aten.dropout.default, aten.native_dropout.default}  # random, but per element
+REDUCTION_OPS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
+                 aten.var.correction, aten.logsumexp.default}
 SPLIT_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default,
              aten.unbind.int}
 
@@ -43,16 +56,22 @@ class _Sharder:
     def __init__(self, gm: GraphModule, ctx: CompileContext):
         self.gm, self.graph = gm, gm.graph
         self.tp = ctx.mesh.sizes["tp"]
+        self.rank = ctx.mesh.coords["tp"]
+        self.sp = ctx.plan.sequence_parallel
         self.group = ctx.mesh.group_name("tp")
         self.place: dict[Node, int | None] = {}
         self.param_dim: dict[Node, int | None] = {}
         self.copies: dict[Node, Node] = {}
+        self.seq_gathers: dict[Node, Node] = {}
 
     # ---- helpers ----------------------------------------------------------------------
     def insert(self, before: Node, target, args) -> Node:
         with self.graph.inserting_before(before):
             node = self.graph.call_function(target, args)
         node.meta["custom"] = dict(before.meta.get("custom") or {})
+        if getattr(target, "namespace", None) == "mxgraph" and "val" in args[0].meta:
+            # rules read full (unsharded) shapes: a collective keeps its input's
+            node.meta["val"] = args[0].meta["val"]
         return node
 
     def copy_of(self, value: Node, user: Node) -> Node:
@@ -63,6 +82,34 @@ class _Sharder:
             self.place[self.copies[value]] = R
         return self.copies[value]
 
+    def seq_dim(self, value: Node) -> int | None:
+        """With SP, the sequence dim of an activation [..., s, h] (the one before the
+        last) if tp divides it; else None (the value stays unsharded by sequence)."""
+        shape = value.meta["val"].shape
+        if not self.sp or len(shape) < 3 or shape[-2] % self.tp:
+            return None
+        return len(shape) - 2
+
+    def seq_gather(self, value: Node, user: Node) -> Node:
+        """`sp_all_gather` of a sequence shard before a column-parallel linear, one per
+        value (its backward reduce-scatters the partial input gradients)."""
+        if value not in self.seq_gathers:
+            self.seq_gathers[value] = self.insert(
+                user, mx.sp_all_gather.default, (value, self.place[value], self.group))
+            self.place[self.seq_gathers[value]] = R
+        return self.seq_gathers[value]
+
+    def reduce_after(self, value: Node, op, args: tuple, placement) -> Node:
+        """Sum `value`'s partials over the group with `op` (all-reduce, or reduce-scatter
+        along `placement`), rerouting every other user of `value` to the result."""
+        with self.graph.inserting_after(value):
+            reduced = self.graph.call_function(op, (value,) + args + (self.group,))
+        value.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
+        reduced.meta["custom"] = dict(value.meta.get("custom") or {})
+        reduced.meta["val"] = value.meta["val"]  # the full shape, as rules expect
+        self.place[reduced] = placement
+        return reduced
+
     def to_replicated(self, user: Node, value: Node) -> Node:
         dim = self.place.get(value, R)
         if dim is R:
@@ -72,13 +119,20 @@ class _Sharder:
         return gathered
 
     def shard_param(self, param: Node, dim: int, user: Node) -> bool:
-        """Choose S(dim) for a parameter placeholder read only as linear weights."""
+        """Choose S(dim) for a parameter placeholder read only as linear weights (and, for
+        dim 0, embedding tables). PlanError if tp does not divide that dim."""
         if self.param_dim.get(param, "unset") != "unset":
             return self.param_dim[param] == dim
         ok = (param.op == "placeholder" and param.meta.get("mx_slot_kind") == "param"
-              and all(u.target is aten.linear.default and u.args[1] is param
-                      for u in param.users)
-              and param.meta["val"].shape[dim] % self.tp == 0)
+              and all(_reads_as_matrix(u, param, dim) for u in param.users))
+        size = param.meta["val"].shape[dim] if ok else 0
+        if ok and size % self.tp:
+            where = (user.meta.get("custom") or {}).get("module", "?")
+            raise PlanError(
+                f"tp={self.tp} does not divide dim {dim} (size {size}) of parameter "
+                f"{param.meta.get('mx_slot_key')} read by {where} ({user.target}): the "
+                f"vocabulary, FFN width and heads must split evenly; choose tp in "
+                f"{divisors(size)} or pad that dim")
         self.param_dim[param] = dim if ok else R
         return ok
 
@@ -88,25 +142,28 @@ class _Sharder:
         bias = node.args[2] if len(node.args) > 2 else None
         ndim = len(node.meta["val"].shape)
         x_dim = self.place.get(x, R)
-        if x_dim is R and self.shard_param(weight, 0, node) and (
+        x_last = len(x.meta["val"].shape) - 1
+        in_seq = x_dim is not R and x_dim != x_last and x_dim == self.seq_dim(x)
+        if (x_dim is R or in_seq) and self.shard_param(weight, 0, node) and (
                 bias is None or self.shard_param_bias(bias, 0)):
-            node.replace_input_with(x, self.copy_of(x, node))
+            feed = self.seq_gather(x, node) if in_seq else self.copy_of(x, node)
+            node.replace_input_with(x, feed)
             return ndim - 1
-        if x_dim == len(x.meta["val"].shape) - 1 and self.shard_param(weight, 1, node):
+        if x_dim == x_last and self.shard_param(weight, 1, node):
             node.args = (x, weight)
-            with self.graph.inserting_after(node):
-                reduced = self.graph.call_function(mx.tp_all_reduce.default,
-                                                   (node, self.group))
-            node.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
-            reduced.meta["custom"] = dict(node.meta.get("custom") or {})
-            self.place[reduced] = R
+            seq = self.seq_dim(node)
+            if seq is None:
+                reduced = self.reduce_after(node, mx.tp_all_reduce.default, (), R)
+            else:
+                reduced = self.reduce_after(node, mx.sp_reduce_scatter.default, (seq,), seq)
             if bias is not None:
                 with self.graph.inserting_after(reduced):
                     added = self.graph.call_function(aten.add.Tensor, (reduced, bias))
                 reduced.replace_all_uses_with(added, delete_user_cb=lambda u: u is not added)
-                added.meta["custom"] = dict(node.meta.get("custom") or {})
-                self.place[added] = R
-            return R  # the linear itself is partial; only `reduced` is read
+                added.meta.update(custom=dict(node.meta.get("custom") or {}),
+                                  val=node.meta["val"])
+                self.place[added] = self.pointwise(added)
+            return R  # the linear itself is partial; only the reduced value is read
         self.gather_all(node)
         return R
 
@@ -128,8 +185,11 @@ class _Sharder:
             known = math.prod(s for s in full_out if s != -1)
             full_out[full_out.index(-1)] = math.prod(full_in) // known
         out_dim = _view_dim(full_in, full_out, dim)
-        if out_dim is None or full_out[out_dim] % self.tp:
-            size = full_out[out_dim] if out_dim is not None else full_in[dim]
+        if out_dim is None:  # e.g. flattening [b, s/tp, h] -> [b*s, h] with b > 1
+            self.gather_all(node)
+            return R
+        if full_out[out_dim] % self.tp:
+            size = full_out[out_dim]
             raise PlanError(f"tp={self.tp} cannot shard {node.name} ({node.target}: "
                             f"{full_in} -> {full_out}) along the split dim of size {size}: "
                             f"choose tp in {divisors(size)} (e.g. tp must divide the "
@@ -215,11 +275,28 @@ class _Sharder:
         self.gather_all(node)
         return R
 
+    def reduction(self, node: Node) -> int | None:
+        """Sum/mean/max over dims that do not include the shard keep it."""
+        x = node.args[0]
+        dim, ndim = self.place.get(x, R), x.meta["val"].dim()
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        keepdim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+        if dims is None or dim is R:
+            self.gather_all(node)
+            return R
+        dims = {d % ndim for d in ([dims] if isinstance(dims, int) else dims)}
+        if dim in dims or not dims:
+            self.gather_all(node)
+            return R
+        return dim if keepdim else dim - sum(d < dim for d in dims)
+
     def norm(self, node: Node) -> int | None:
         x = node.args[0]
         dim = self.place.get(x, R)
         normalized = len(node.args[1])
         if dim is not R and dim < x.meta["val"].dim() - normalized:
+            for param in node.all_input_nodes[1:]:  # weight, bias: partial gradients
+                node.replace_input_with(param, self.copy_of(param, node))
             return dim
         self.gather_all(node)
         return R
@@ -279,6 +356,12 @@ class _Sharder:
             return self.attention
         if target in (aten.rms_norm.default, aten.layer_norm.default):
             return self.norm
+        if target in REDUCTION_OPS:
+            return self.reduction
+        if target is aten.embedding.default:
+            return lambda n: shard_vocab.embedding(self, n)
+        if target is aten.cross_entropy_loss.default:
+            return lambda n: shard_vocab.cross_entropy(self, n)
         if target in KEEP_OPS:
             return lambda n: self.place.get(n.args[0], R)
         if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
@@ -290,7 +373,7 @@ class _Sharder:
             if node.op != "call_function" or node in self.place:
                 continue
             if not any(self.place.get(a, R) is not R for a in node.all_input_nodes) and \
-                    node.target is not aten.linear.default:
+                    node.target not in (aten.linear.default, aten.embedding.default):
                 self.place[node] = R
                 continue
             rule = self.rule(node)
@@ -303,6 +386,12 @@ class _Sharder:
         for value in output.all_input_nodes:
             if self.place.get(value, R) is not R:
                 output.replace_input_with(value, self.to_replicated(output, value))
+
+
+def _reads_as_matrix(user: Node, param: Node, dim: int) -> bool:
+    if user.target is aten.linear.default:
+        return user.args[1] is param
+    return user.target is aten.embedding.default and user.args[0] is param and dim == 0
 
 
 def _view_dim(full_in: list[int], full_out: list[int], dim: int) -> int | None:

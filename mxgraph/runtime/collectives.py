@@ -36,6 +36,11 @@ KIND = {
 }
 
 
+VOLUME: dict = {}
+"""op name -> function(fx node) -> bytes of one call, for ops whose volume is not the
+size of one tensor (e.g. `vocab_parallel_ce`: three all-reduces of one float per token).
+The group of an op is its argument named `group_name`."""
+
 GROUP_SIZES: dict[str, int] = {}
 """Sizes of groups that exist only on paper (`group_size` reads these first): tracing a
 plan for thousands of ranks on the meta device in one process names groups like
