@@ -33,6 +33,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import mxgraph.runtime.collectives  # noqa: F401 - registers the collective ops
+import mxgraph.runtime.collectives_cp  # noqa: F401 - registers the CP ops
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
 from mxgraph.passes import shard_vocab
@@ -48,6 +49,8 @@ KEEP_OPS = {aten.clone.default, aten.contiguous.default, aten._to_copy.default,
             aten.dropout.default, aten.native_dropout.default}  # random, but per element
 REDUCTION_OPS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
                  aten.var.correction, aten.logsumexp.default}
+CP_OPS = {mx.cp_chunk.default, mx.cp_all_gather.default, mx.cp_all_reduce.default,
+          mx.cp_replicated.default}
 SPLIT_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default,
              aten.unbind.int}
 
@@ -270,7 +273,10 @@ class _Sharder:
     def attention(self, node: Node) -> int | None:
         q, k, v = node.args[:3]
         dims = [self.place.get(t, R) for t in (q, k, v)]
-        if dims == [1, 1, 1] and (len(node.args) < 4 or node.args[3] is None):
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        mask_ok = mask is None or (self.place.get(mask, R) is R and (
+            mask.meta["val"].dim() < 3 or mask.meta["val"].shape[-3] == 1))
+        if dims == [1, 1, 1] and mask_ok:  # a mask broadcast over heads is fine
             return 1
         self.gather_all(node)
         return R
@@ -324,6 +330,15 @@ class _Sharder:
                 node.replace_input_with(arg, self.copy_of(arg, node))
         return out_dim
 
+    def context_parallel(self, node: Node) -> int | None:
+        """A CP collective along another dim than the TP shard keeps it."""
+        dim = self.place.get(node.args[0], R)
+        along = node.args[1] if len(node.args) > 2 else None
+        if dim is R or (along is not None and along % node.meta["val"].dim() == dim):
+            self.gather_all(node)
+            return R
+        return dim
+
     def gather_all(self, node: Node) -> None:
         for arg in list(node.all_input_nodes):
             if self.place.get(arg, R) is not R:
@@ -364,6 +379,8 @@ class _Sharder:
             return lambda n: shard_vocab.cross_entropy(self, n)
         if target in KEEP_OPS:
             return lambda n: self.place.get(n.args[0], R)
+        if target in CP_OPS:
+            return self.context_parallel
         if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
             return self.pointwise
         return None

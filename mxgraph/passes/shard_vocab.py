@@ -19,6 +19,7 @@ import operator
 import torch
 from torch.fx import Node
 
+import mxgraph.runtime.collectives_cp  # noqa: F401 - registers cp_chunk
 import mxgraph.runtime.vocab_parallel  # noqa: F401 - registers the op
 
 aten = torch.ops.aten
@@ -26,7 +27,8 @@ mx = torch.ops.mxgraph
 R = None  # replicated (the placement convention of shard_tp.py)
 PASS_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
                 aten.clone.default, aten.contiguous.default, aten._to_copy.default,
-                aten.to.dtype, aten.alias.default, aten.detach.default}
+                aten.to.dtype, aten.alias.default, aten.detach.default,
+                mx.cp_chunk.default}
 
 
 def reads_input(value: Node) -> bool:
