@@ -23,6 +23,7 @@ from mxgraph.errors import PlanError
 from mxgraph.joint import build_joint
 from mxgraph.passes.pipeline import FORWARD_PASSES, JOINT_PASSES, check_pass_names
 from mxgraph.passes.runner import record, run_pass
+from mxgraph.passes.shard_ep import shard_expert_parameters
 from mxgraph.passes.shard_tp import shard_parameters
 from mxgraph.plan import Plan, require_built
 from mxgraph.runtime.mesh import Mesh
@@ -39,6 +40,9 @@ class Step:
         self._compiled: dict[tuple, object] = {}
         self.contexts: list[CompileContext] = []
         """One per compiled input signature: the pass records (and dump dir)."""
+        self.expert_param_ids: set[int] = set()
+        """ids of the parameters sharded over "ep" (filled by the expert-parallel pass):
+        their gradients are reduced over "edp" instead of "dp"."""
 
     def parameters(self):
         """The parameters this rank updates (on one device: the model's own). Compiles
@@ -79,7 +83,8 @@ class Step:
         group = self.mesh.group("dp")
         for param in self.parameters():
             if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
+                dist.all_reduce(param.grad, group=self.mesh.group(  # experts: over "edp"
+                    "edp" if id(param) in self.expert_param_ids else "dp"))
                 param.grad.div_(dp)
         loss = loss.clone()
         dist.all_reduce(loss, group=group)
@@ -90,7 +95,8 @@ class Step:
         ctx = CompileContext.for_plan(self.plan, tag, self.mesh)
         self.contexts.append(ctx)
         if self.plan.pp > 1 or self.plan.micro_batches > 1:
-            executor = compile_pipeline(self.model, self.plan, self.mesh, ctx, args, kwargs)
+            executor = compile_pipeline(self.model, self.plan, self.mesh, ctx, args, kwargs,
+                                        self.expert_param_ids)
             self._owned = {name for rt in executor.stages.values()
                            for name, _ in rt.programs.param_grads}
             return executor
@@ -102,6 +108,7 @@ class Step:
             gm = run_pass(spec, gm, ctx)
         forward.gm = gm
         shard_parameters(self.model, gm, ctx)
+        self.expert_param_ids |= shard_expert_parameters(self.model, gm, ctx)
         start = time.perf_counter()
         tensors = _slot_tensors(self.model, forward)
         joint = build_joint(forward, tensors, flat_inputs(args, kwargs))

@@ -12,6 +12,7 @@ from mxgraph.errors import PlanError
 from mxgraph.joint import build_joint
 from mxgraph.passes.pipeline import FORWARD_PASSES, JOINT_PASSES
 from mxgraph.passes.runner import record, run_pass
+from mxgraph.passes.shard_ep import shard_expert_parameters
 from mxgraph.passes.shard_tp import shard_parameters
 from mxgraph.passes.split_bw import split_bw
 from mxgraph.passes.split_stages import split_stages
@@ -41,8 +42,10 @@ def build_schedule_for(plan) -> object:
     return schedule
 
 
-def compile_pipeline(model, plan, mesh: Mesh, ctx: CompileContext, args, kwargs
-                     ) -> PipelineExecutor:
+def compile_pipeline(model, plan, mesh: Mesh, ctx: CompileContext, args, kwargs,
+                     expert_param_ids: set[int] | None = None) -> PipelineExecutor:
+    """This rank's pipeline executor (see the module docstring). The ids of the
+    parameters sharded over "ep" are added to `expert_param_ids` when given."""
     schedule = build_schedule_for(plan)
     microbatch = split_microbatches(list(args), plan.micro_batches)[0]
     start = time.perf_counter()
@@ -53,6 +56,9 @@ def compile_pipeline(model, plan, mesh: Mesh, ctx: CompileContext, args, kwargs
         gm = run_pass(spec, gm, ctx)
     forward.gm = gm
     shard_parameters(model, gm, ctx)
+    expert_ids = shard_expert_parameters(model, gm, ctx)
+    if expert_param_ids is not None:
+        expert_param_ids |= expert_ids
     padding = (plan.pp, schedule.num_stages // plan.pp) if plan.empty_layers else None
     stage_graphs = split_stages(forward, schedule.num_stages, plan.layout, padding)
     model_state = model_tensors(model)

@@ -12,11 +12,14 @@ from mxgraph.passes.offload import offload_pass
 from mxgraph.passes.remat import remat_pass
 from mxgraph.passes.fuse import fuse_pass
 from mxgraph.passes.runner import PassSpec
+from mxgraph.passes.shard_ep import shard_ep_pass
 from mxgraph.passes.shard_tp import shard_tp_pass
 
 FORWARD_PASSES = [
     PassSpec("remove_noop", remove_noop_pass, "forward",
              "first: later matchers then see no alias/detach/identity dropout between ops"),
+    PassSpec("shard_ep", shard_ep_pass, "forward",
+             "before shard_tp: it matches the MoE blocks as traced; TP then sees local experts"),
     PassSpec("shard_tp", shard_tp_pass, "forward",
              "before fusion and autograd: collectives get their conjugates derived, and "
              "fused ops see local shapes"),

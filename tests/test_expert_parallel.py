@@ -1,0 +1,95 @@
+"""Expert parallelism (`Plan(ep=N)`) on gloo processes vs the single-process model.
+
+`check_plan` (tests/test_pipeline_exec.py) runs the compiled step on each data-parallel
+rank's batch and compares the loss (1e-5), the gradients after one step (1e-4) and the
+parameters after 3 AdamW steps (1e-4) with eager autograd on the global batch. Expert
+weights are compared with this rank's experts: [r*E/ep, (r+1)*E/ep) along dim 0.
+Router aux loss and expert bias stay per rank, so the models run with aux_loss_coef=0.
+"""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import models
+import mxgraph as mx
+import tests.test_pipeline_exec as pipeline_exec
+from mxgraph.capture import capture
+from mxgraph.context import CompileContext
+from mxgraph.passes.shard_ep import shard_ep_pass
+from mxgraph.runtime.mesh import Mesh
+from tests.distributed import run_ranks
+
+tp_local = pipeline_exec.local
+
+
+def ep_local(reference: torch.Tensor, mine: torch.Tensor, step) -> torch.Tensor:
+    """This rank's shard of a reference tensor: its experts for an expert parameter (or
+    its gradient), else the TP shard (`local` of test_pipeline_exec)."""
+    experts = [p for p in step.model.parameters() if id(p) in step.expert_param_ids]
+    if any(mine is p or mine is p.grad for p in experts):
+        return reference.chunk(step.mesh.sizes["ep"], 0)[step.mesh.coords["ep"]]
+    return tp_local(reference, mine, step)
+
+
+def check_ep(rank, world, model_name, plan_kwargs, steps=3, model_kwargs=None):
+    pipeline_exec.local = ep_local  # this process only (spawned per test)
+    pipeline_exec.check_plan(rank, world, model_name, plan_kwargs, steps,
+                             model_kwargs=model_kwargs)
+
+
+@pytest.mark.parametrize("expert_impl", ["grouped_mm", "loop"])
+def test_ep2_moe_tiny(expert_impl):
+    run_ranks(2, check_ep, "moe-tiny", dict(ep=2), 3, dict(expert_impl=expert_impl))
+
+
+def test_tp2_ep2_moe_tiny():
+    run_ranks(4, check_ep, "moe-tiny", dict(tp=2, ep=2), 2, dict(expert_impl="grouped_mm"))
+
+
+@settings(max_examples=2, deadline=None)
+@given(experts=st.sampled_from([2, 4, 6]), topk=st.integers(1, 2),
+       shared=st.integers(0, 1), dense=st.integers(0, 1),
+       score=st.sampled_from(["softmax", "sigmoid"]),
+       impl=st.sampled_from(["grouped_mm", "loop"]), attention=st.sampled_from(["mla", "gqa"]))
+def test_ep2_drawn_moe(experts, topk, shared, dense, score, impl, attention):
+    config = dict(n_layers=2, dim=64, n_heads=2, n_kv_heads=1, moe_ffn_dim=32, ffn_dim=96,
+                  n_routed_experts=experts, topk=topk, n_groups=1, topk_groups=1,
+                  n_shared_experts=shared, n_dense_layers=dense, score_func=score,
+                  expert_impl=impl, attention=attention)
+    run_ranks(2, check_ep, "moe-tiny", dict(ep=2), 1, config)
+
+
+def _paper_pass(model, ep):
+    tokens = torch.randint(0, 256, (2, 8))
+    forward = capture(model, (tokens, tokens), {})
+    ctx = CompileContext(plan=mx.Plan(), mesh=Mesh.on_paper(dp=ep, ep=ep))
+    return shard_ep_pass(forward.gm, ctx)
+
+
+def test_ep_must_divide_experts():
+    model = models.build_model("moe-tiny", n_layers=2, expert_impl="grouped_mm")  # 8 experts
+    with pytest.raises(mx.PlanError, match=r"ep=3 does not divide the number of routed "
+                                           r"experts 8 .*choose ep in \[1, 2, 4, 8\]"):
+        _paper_pass(model, 3)
+
+
+def test_capacity_form_is_refused():
+    model = models.build_model("moe-tiny", n_layers=2, capacity_factor=1.5)
+    with pytest.raises(mx.PlanError, match=r"read per expert by .*bmm.*expert_impl="
+                                           r"'grouped_mm'"):
+        _paper_pass(model, 2)
+
+
+@pytest.mark.parametrize("expert_impl", ["grouped_mm", "loop"])
+def test_pass_keeps_local_experts_only(expert_impl):
+    model = models.build_model("moe-tiny", n_layers=2, expert_impl=expert_impl)
+    gm = _paper_pass(model, 2)
+    sharded = [n for n in gm.graph.find_nodes(op="placeholder") if "ep_shard_dim" in n.meta]
+    assert len(sharded) == 3 and all(n.meta["val"].shape[0] == 4 for n in sharded)
+    ops = [n.target for n in gm.graph.nodes]
+    assert ops.count(torch.ops.mxgraph.ep_dispatch.default) == 1
+    assert ops.count(torch.ops.mxgraph.ep_combine.default) == 1
+    if expert_impl == "loop":  # four experts' chains of three linears left
+        selects = [n for n in gm.graph.nodes if n.target is torch.ops.aten.select.int
+                   and n.args[0] in sharded]
+        assert sorted(n.args[2] for n in selects) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
