@@ -1,0 +1,113 @@
+"""Sequence, context and vocabulary parallelism vs the single-process model.
+
+Multi-rank cases run `check_plan` (tests/test_pipeline_exec.py) on gloo processes: every
+rank's loss within 1e-5 relative of eager autograd on the global batch, its (gathered:
+compared shard by shard) gradients within 1e-4 relative (fp32), its parameters within
+1e-4 after 3 AdamW steps. Layout errors are checked in one process on a paper mesh.
+"""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import models
+import mxgraph as mx
+from mxgraph.capture import capture
+from mxgraph.context import CompileContext
+from mxgraph.passes.pipeline import FORWARD_PASSES
+from mxgraph.passes.runner import run_pass
+from mxgraph.runtime.mesh import Mesh
+from tests.distributed import run_ranks
+from tests.test_pipeline_exec import check_plan
+
+LLAMA = "llama-tiny"
+
+
+def check_models(rank, world, cases):
+    """check_plan for several (model, plan, model_kwargs) in the same processes."""
+    for model_name, plan_kwargs, model_kwargs in cases:
+        check_plan(rank, world, model_name, plan_kwargs, 3, 4, 16, model_kwargs)
+
+
+@pytest.mark.parametrize("model_name", ["llama-tiny", "gpt-tiny", "moe-tiny"])
+def test_tp2_sequence_parallel(model_name):
+    run_ranks(2, check_models, [(model_name, dict(tp=2, sequence_parallel=True), None)])
+
+
+@pytest.mark.parametrize("model_name", ["llama-tiny", "gpt-tiny", "moe-tiny"])
+def test_cp2(model_name):
+    run_ranks(2, check_models, [(model_name, dict(cp=2), None)])
+
+
+def test_cp2_tp2_llama_with_and_without_sequence_parallel():
+    run_ranks(4, check_models, [(LLAMA, dict(cp=2, tp=2), None),
+                                (LLAMA, dict(cp=2, tp=2, sequence_parallel=True), None)])
+
+
+def test_cp2_dp2_gpt():
+    run_ranks(4, check_models, [("gpt-tiny", dict(cp=2), None)])
+
+
+LAYOUTS = {"tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
+           "cp2": (2, dict(cp=2)),
+           "cp2xtp2": (4, dict(cp=2, tp=2))}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@settings(max_examples=1, deadline=None)
+@given(dim=st.sampled_from([32, 64]), heads=st.sampled_from([2, 4]),
+       layers=st.integers(1, 2), seq=st.sampled_from([8, 16]), tie=st.booleans())
+def test_drawn_llama_config_per_layout(layout, dim, heads, layers, seq, tie):
+    world, plan = LAYOUTS[layout]
+    config = dict(dim=dim, n_heads=heads, n_kv_heads=2, n_layers=layers, ffn_dim=2 * dim,
+                  tie_embeddings=tie)
+    run_ranks(world, check_plan, LLAMA, plan, 1, 2, seq, config)
+
+
+# ---- layouts that cannot work: PlanError with the valid choices (one process) ---------
+
+def forward_passes(model, plan: mx.Plan, seq: int = 16):
+    """Run the forward passes for `plan` on a paper mesh (no processes needed)."""
+    tokens = torch.randint(0, 256, (2, seq))
+    ctx = CompileContext.for_plan(plan, "", Mesh.on_paper(tp=plan.tp, cp=plan.cp))
+    gm = capture(model, (tokens, tokens), {}).gm
+    for spec in FORWARD_PASSES:
+        gm = run_pass(spec, gm, ctx)
+    return gm
+
+
+def test_tp_not_dividing_the_vocabulary():
+    model = models.build_model(LLAMA, vocab_size=250, n_heads=2, n_kv_heads=2)
+    with pytest.raises(mx.PlanError, match=r"tp=4 does not divide .*size 250.*embed.weight"
+                                           r".*choose tp in \[1, 2, 5, 10"):
+        forward_passes(model, mx.Plan(tp=4))
+
+
+def test_tp_not_dividing_the_ffn_width():
+    model = models.build_model(LLAMA, ffn_dim=90, n_heads=4, n_kv_heads=4)
+    with pytest.raises(mx.PlanError, match=r"tp=4 does not divide .*size 90.*choose tp in "
+                                           r"\[1, 2, 3, 5, 6, 9"):
+        forward_passes(model, mx.Plan(tp=4))
+
+
+def test_cp_needs_sequence_divisible_by_2cp():
+    model = models.build_model(LLAMA)
+    with pytest.raises(mx.PlanError, match=r"cp=2 needs the sequence length .* 6\) divisible "
+                                           r"by 2\*cp = 4; choose cp in \[1, 3\]"):
+        forward_passes(model, mx.Plan(cp=2), seq=6)
+
+
+def test_sequence_parallel_leaves_no_all_reduce_in_llama_layers():
+    """SP replaces each of Megatron's two all-reduces per layer by an all-gather before
+    the column-parallel linears and a reduce-scatter after the row-parallel one."""
+    cfg = dict(n_layers=2)
+    graph = forward_passes(models.build_model(LLAMA, **cfg),
+                           mx.Plan(tp=2, sequence_parallel=True)).graph
+    count = {}
+    for node in graph.nodes:
+        name = getattr(node.target, "__name__", "")
+        count[name.split(".")[0]] = count.get(name.split(".")[0], 0) + 1
+    assert count.get("sp_all_gather", 0) == 2 * 2 + 1  # per layer qkv, gate/up; + LM head
+    assert count.get("sp_reduce_scatter", 0) == 2 * 2 + 1  # per layer wo, down; + embedding
+    assert count.get("tp_all_reduce", 0) == 0
+    assert count.get("tp_all_gather", 0) == 0  # no fallback gathers
+    assert count.get("vocab_parallel_ce", 0) == 1  # the logits are never gathered
