@@ -26,6 +26,7 @@ from mxgraph.passes.runner import record, run_pass
 from mxgraph.passes.shard_ep import shard_expert_parameters
 from mxgraph.passes.shard_tp import shard_parameters
 from mxgraph.plan import Plan, require_built
+from mxgraph.runtime.data_parallel import DataParallel
 from mxgraph.runtime.mesh import Mesh
 from mxgraph.runtime.pipeline import PipelineExecutor
 
@@ -43,14 +44,37 @@ class Step:
         self.expert_param_ids: set[int] = set()
         """ids of the parameters sharded over "ep" (filled by the expert-parallel pass):
         their gradients are reduced over "edp" instead of "dp"."""
+        self.data_parallel: DataParallel | None = None
+        """This rank's gradient buckets (and ZeRO-1 shards), built after the first compile
+        (runtime/data_parallel.py)."""
 
     def parameters(self):
         """The parameters this rank updates (on one device: the model's own). Compiles
         nothing: with pp > 1 it is the parameters of this rank's stages, known after the
-        first call; before it, all of the model's."""
+        first call; before it, all of the model's.
+
+        With `Plan(zero1=True)`: this rank's flat shards, one `nn.Parameter` per gradient
+        bucket (named "zero1.bucket<i>"), whose `.grad` the step fills, while the model's
+        parameters keep `.grad = None`; they exist after the first call or `prepare()`
+        (PlanError before). Build the optimizer on them as usual: its state is sharded.
+        """
         return (p for _, p in self.named_parameters())
 
     def named_parameters(self):
+        if self.plan.zero1:
+            return self._data_parallel().named_shards()
+        return self._model_parameters()
+
+    def sync_parameters(self) -> None:
+        """With `Plan(zero1=True)`: copy the shards the optimizer updated back into the
+        model's parameters (an all-gather over the data-parallel ranks). Each step does it
+        at its start; call it after the last `opt.step()` before evaluating or saving the
+        model. Without zero1 there is nothing to do."""
+        if self.data_parallel is not None:
+            self.data_parallel.gather_parameters()
+
+    def _model_parameters(self):
+        """The model's parameters this rank holds (with pp > 1: its stages' ones)."""
         owned = getattr(self, "_owned", None)
         if owned is not None:  # by identity: a tied weight may be owned under its alias
             owned = {id(p) for n, p in self.model.named_parameters(remove_duplicate=False)
@@ -61,6 +85,7 @@ class Step:
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         self.prepare(*args, **kwargs)
         compiled = self._compiled[_signature(args, kwargs)]
+        self.sync_parameters()
         if isinstance(compiled, PipelineExecutor):
             loss = compiled.step(split_microbatches(flat_inputs(args, kwargs),
                                                     self.plan.micro_batches))
@@ -76,19 +101,28 @@ class Step:
             self._compiled[key] = self._compile(args, kwargs)
 
     def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
-        """Average loss and gradients over the data-parallel group."""
+        """Average loss and gradients over the data-parallel group (gradients bucket by
+        bucket, reduce-scattered into the shards under zero1: runtime/data_parallel.py)."""
         dp = self.mesh.sizes["dp"]
+        if dp == 1 and not self.plan.zero1:
+            return loss
+        self._data_parallel().reduce()
         if dp == 1:
             return loss
         group = self.mesh.group("dp")
-        for param in self.parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=self.mesh.group(  # experts: over "edp"
-                    "edp" if id(param) in self.expert_param_ids else "dp"))
-                param.grad.div_(dp)
         loss = loss.clone()
         dist.all_reduce(loss, group=group)
         return loss / dp
+
+    def _data_parallel(self) -> DataParallel:
+        if self.data_parallel is None:
+            if not self._compiled:
+                raise PlanError("zero1: the parameter shards are laid out over the compiled "
+                                "model's parameters; call step.prepare(*batch) or run one "
+                                "step before step.parameters()")
+            self.data_parallel = DataParallel.build(
+                self._model_parameters(), self.expert_param_ids, self.plan, self.mesh)
+        return self.data_parallel
 
     def _compile(self, args, kwargs):
         tag = f"sig{len(self._compiled)}" if self._compiled else ""

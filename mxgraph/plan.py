@@ -134,6 +134,10 @@ class Plan:
         if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise PlanError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB "
                             f"(e.g. 25.0)")
+        if self.zero1 and self.moe.adaptive_recompute_threshold is not None:
+            raise PlanError("zero1 does not combine with moe.adaptive_recompute_threshold yet "
+                            "(its two compiled variants would each shard the optimizer "
+                            "state); turn one of them off")
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise PlanError(f"memory_budget={self.memory_budget} must be a positive byte count")
         if world_size is not None:
@@ -253,8 +257,6 @@ def check_divides(axis: str, degree: int, what: str, total: int) -> None:
 # for one raises PlanError at compile time; the entry goes when the capability lands.
 NOT_BUILT = [
     ("cp", lambda p: p.cp > 1, "context parallelism"),
-    ("zero1", lambda p: p.zero1 and p.moe.adaptive_recompute_threshold is not None,
-     "ZeRO-1 with MoE adaptive recompute (its two compiled variants would shard apart)"),
     ("overlap", lambda p: p.overlap, "comm-compute overlap passes"),
     ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),
     ("moe.hot_expert_replication", lambda p: p.moe.hot_expert_replication,

@@ -122,9 +122,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         checkpointer = FlashCheckpointer.from_env(cfg.checkpoint_dir, keep=cfg.keep,
                                                   run_id=_run_id(cfg.checkpoint_dir))
     if cfg.resume:
-        restored = checkpointer.restore(into=capture_training_state(named, optimizer))
+        restored = checkpointer.restore(into=_capture(plan, named, optimizer))
         if restored is not None:
-            position = apply_training_state(restored.state, named, optimizer)
+            position = _apply(restored.state, named, optimizer)
             batches.load_state_dict(position)
             start_step = restored.step
             log.info("resumed at step %d from %s", start_step, restored.source)
@@ -139,7 +139,10 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         loss = step_fn(inputs, targets)
         if cfg.eager:
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if plan.zero1 and not cfg.eager:  # the gradients live in the shards
+            step_fn.data_parallel.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
@@ -147,19 +150,40 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         tokens_per_s = (step + 1 - start_step) * cfg.batch_size * cfg.seq_len / elapsed
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            result = checkpointer.save(step + 1, capture_training_state(
-                named, optimizer, None, batches.state_dict(), plan.to_dict()))
+            result = checkpointer.save(step + 1, _capture(
+                plan, named, optimizer, batches.state_dict(), plan.to_dict()))
             log.info("checkpoint at step %d: %s (%.3f s blocking)", step + 1,
                      result.status, result.blocking_s)
     seconds = time.perf_counter() - start
     if checkpointer is not None:
         checkpointer.close()
+    if not cfg.eager:
+        step_fn.sync_parameters()  # zero1: the last update is still in the shards
     sharded = not cfg.eager and (plan.tp > 1 or plan.pp > 1)
     val_loss = evaluate(step_fn if sharded else model, val_tokens, cfg)
     done = max(1, cfg.steps - start_step)
     return {"train_loss": loss_value, "val_loss": val_loss, "seconds": seconds,
             "tokens_per_s": done * cfg.batch_size * cfg.seq_len / seconds,
             "start_step": start_step}
+
+
+def _capture(plan: Plan, named: dict, optimizer, data_position=None,
+             plan_dict: dict | None = None) -> dict:
+    """`capture_training_state`; under zero1 the parameter shards and the optimizer state
+    differ between data-parallel ranks, so they go under "rank_local" (kept per rank on
+    disk, instead of once for all ranks)."""
+    state = capture_training_state(named, optimizer, None, data_position, plan_dict)
+    if plan.zero1:
+        state["rank_local"]["zero1"] = {"model": state.pop("model"),
+                                        "optimizer": state.pop("optimizer")}
+    return state
+
+
+def _apply(state: dict, named: dict, optimizer):
+    """`apply_training_state` for a state from `_capture`; returns the data position."""
+    if "zero1" in state["rank_local"]:
+        state = {**state, **state["rank_local"]["zero1"]}
+    return apply_training_state(state, named, optimizer)
 
 
 def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig) -> float:

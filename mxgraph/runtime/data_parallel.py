@@ -1,0 +1,224 @@
+"""Data-parallel gradient reduction in buckets, and ZeRO-1 sharding of the optimizer state.
+
+    dp = DataParallel.build(step.named_parameters(), expert_ids, plan, mesh)
+    dp.reduce()             # after the step: average gradients over the data-parallel ranks
+    opt = AdamW(p for _, p in dp.named_shards())   # zero1: this rank's flat shards
+    dp.gather_parameters()  # zero1: updated shards back into the model's parameters
+
+Layout (`build_buckets`): this rank's trainable parameters, in reverse parameter order (as
+DDP and Megatron-LM: roughly the order the backward produces gradients), are flattened
+into buckets of at most `Plan.bucket_mb` MiB (a larger parameter gets a bucket of its
+own), one collective per bucket. Parameters the expert-parallel pass shards over "ep"
+(their ids in `Step.expert_param_ids`) are reduced over "edp", the ranks holding the same
+experts, and never share a bucket with others (reduced over "dp"); nor do parameters of
+different dtypes. Every gradient is divided by the full dp, so that it is the gradient of
+the loss averaged over the global batch. A parameter without a gradient on this rank
+counts as zeros; after the reduction every bucketed parameter has one.
+
+ZeRO-1 (`Plan(zero1=True)`, as Megatron-LM's distributed optimizer): each bucket is
+padded to a multiple of its group size and reduce-scattered instead of all-reduced. This
+rank keeps one flat `nn.Parameter` per bucket, its 1/group-size slice of the parameter
+values ("zero1.bucket<i>"), whose `.grad` receives the reduce-scattered slice; the
+optimizer is built on those, so its state is sharded. The model's parameters keep
+`.grad = None`. `gather_parameters` all-gathers the shards back into the model's
+parameters (the step does so at its start; `Step.sync_parameters` for the user).
+
+Why in the runtime and not in the graph: the reduction runs once per optimizer step,
+after the whole step: after the last micro-batch of a pipeline schedule (and after the
+sum of tied weights' gradients over pipeline ranks), when this rank's gradients are
+final. The compiled graphs run per (stage, micro-batch); a collective inside them would
+run once per micro-batch (micro_batches times the traffic) or need one graph spanning the
+whole schedule. Overlapping bucket reductions with the backward would move it there.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mxgraph.runtime.mesh import Mesh
+
+MiB = 2 ** 20
+
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients move in one collective, flattened in this order."""
+
+    axis: str
+    """The group that reduces it: "dp", or "edp" for expert parameters."""
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    """Where each parameter starts in the flat buffer."""
+    numel: int
+    """Elements of the parameters together."""
+    group_size: int
+    shard: torch.nn.Parameter | None = None
+    """ZeRO-1: this rank's slice of the flat parameter values."""
+
+    @property
+    def padded_numel(self) -> int:
+        """`numel` rounded up to a multiple of the group size."""
+        return math.ceil(self.numel / self.group_size) * self.group_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.group_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+    def views(self, flat: torch.Tensor):
+        """(parameter, its slice of `flat` shaped like it), in bucket order."""
+        for param, offset in zip(self.params, self.offsets):
+            yield param, flat[offset:offset + param.numel()].view_as(param)
+
+
+def build_buckets(named_params, expert_ids: set[int], bucket_bytes: int,
+                  group_sizes: dict[str, int]) -> list[Bucket]:
+    """Split the trainable parameters into buckets (see the module docstring)."""
+    buckets, open_buckets = [], {}
+    for name, param in reversed(list(named_params)):
+        if not param.requires_grad:
+            continue
+        axis = "edp" if id(param) in expert_ids else "dp"
+        members = open_buckets.setdefault((axis, param.dtype), [])
+        used = sum(p.numel() for _, p in members) * param.element_size()
+        if members and used + param.numel() * param.element_size() > bucket_bytes:
+            buckets.append(_bucket(axis, members, group_sizes[axis]))
+            members = open_buckets[(axis, param.dtype)] = []
+        members.append((name, param))
+    buckets += [_bucket(axis, members, group_sizes[axis])
+                for (axis, _), members in open_buckets.items() if members]
+    return buckets
+
+
+def _bucket(axis: str, members: list, group_size: int) -> Bucket:
+    offsets, numel = [], 0
+    for _, param in members:
+        offsets.append(numel)
+        numel += param.numel()
+    return Bucket(axis, [n for n, _ in members], [p for _, p in members], offsets, numel,
+                  group_size)
+
+
+class DataParallel:
+    """This rank's gradient buckets and, under ZeRO-1, its parameter shards."""
+
+    def __init__(self, buckets: list[Bucket], mesh: Mesh, zero1: bool):
+        self.buckets = buckets
+        self.mesh = mesh
+        self.zero1 = zero1
+        if zero1:
+            for bucket in buckets:
+                bucket.shard = self._make_shard(bucket)
+
+    @classmethod
+    def build(cls, named_params, expert_ids: set[int], plan, mesh: Mesh) -> "DataParallel":
+        sizes = {axis: mesh.sizes[axis] for axis in ("dp", "edp")}
+        buckets = build_buckets(named_params, expert_ids, int(plan.bucket_mb * MiB), sizes)
+        return cls(buckets, mesh, plan.zero1)
+
+    def named_shards(self):
+        """("zero1.bucket<i>", flat shard) per bucket (ZeRO-1 only)."""
+        return ((f"zero1.bucket{i}", b.shard) for i, b in enumerate(self.buckets))
+
+    # ---- after the step -------------------------------------------------------------
+    def reduce(self) -> None:
+        """Average gradients over the data-parallel ranks: all-reduce each bucket, or
+        under ZeRO-1 reduce-scatter it into its shard's `.grad` (added, like backward)."""
+        dp = self.mesh.sizes["dp"]
+        for bucket in self.buckets:
+            flat = _flat_grads(bucket)
+            if self.zero1:
+                self._reduce_scatter(bucket, flat, dp)
+            else:
+                self._all_reduce(bucket, flat, dp)
+
+    def _all_reduce(self, bucket: Bucket, flat: torch.Tensor, dp: int) -> None:
+        group = self._group(bucket)
+        if group is not None:
+            dist.all_reduce(flat, group=group)
+        flat.div_(dp)
+        for param, grad in bucket.views(flat):
+            if param.grad is None:
+                param.grad = grad.clone()
+            else:
+                param.grad.copy_(grad)
+
+    def _reduce_scatter(self, bucket: Bucket, flat: torch.Tensor, dp: int) -> None:
+        group = self._group(bucket)
+        if group is None:
+            mine = flat.clone()
+        else:
+            mine = flat.new_empty(bucket.shard_numel)
+            dist.reduce_scatter_single(mine, flat, group=group)
+        mine.div_(dp)
+        shard = bucket.shard
+        if shard.grad is None:
+            shard.grad = mine
+        else:
+            shard.grad.add_(mine)
+        for param in bucket.params:
+            param.grad = None
+
+    # ---- ZeRO-1 parameters ----------------------------------------------------------
+    def gather_parameters(self) -> None:
+        """ZeRO-1: all-gather the shards into the model's parameters (no-op otherwise)."""
+        if not self.zero1:
+            return
+        for bucket in self.buckets:
+            group = self._group(bucket)
+            shard = bucket.shard.detach()
+            if group is None:
+                flat = shard
+            else:
+                flat = shard.new_empty(bucket.padded_numel)
+                dist.all_gather_single(flat, shard, group=group)
+            with torch.no_grad():
+                for param, value in bucket.views(flat):
+                    param.copy_(value)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """ZeRO-1: scale the shards' gradients so that the norm of the whole gradient is
+        at most `max_norm` (as `torch.nn.utils.clip_grad_norm_`); returns that norm. The
+        squares are summed over "dp", which covers every expert shard of the "edp"
+        buckets too (dp = edp x ep)."""
+        grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        total = sum(g.double().square().sum() for g in grads)
+        if self.mesh.sizes["dp"] > 1:
+            dist.all_reduce(total, group=self.mesh.group("dp"))
+        norm = total.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(scale.to(grad.dtype))
+        return norm.float()
+
+    def _make_shard(self, bucket: Bucket) -> torch.nn.Parameter:
+        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+        flat = torch.nn.functional.pad(flat, (0, bucket.padded_numel - bucket.numel))
+        start = self._group_rank(bucket) * bucket.shard_numel
+        return torch.nn.Parameter(flat[start:start + bucket.shard_numel].clone())
+
+    def _group(self, bucket: Bucket):
+        """The process group of the bucket's axis; None when it holds this rank alone."""
+        return None if bucket.group_size == 1 else self.mesh.group(bucket.axis)
+
+    def _group_rank(self, bucket: Bucket) -> int:
+        group = self._group(bucket)
+        return 0 if group is None else dist.get_rank(group)
+
+
+def _flat_grads(bucket: Bucket) -> torch.Tensor:
+    """The bucket's gradients in one padded buffer (zeros for missing gradients)."""
+    flat = bucket.params[0].new_zeros(bucket.padded_numel)
+    for param, view in bucket.views(flat):
+        if param.grad is not None:
+            view.copy_(param.grad)
+    return flat
