@@ -256,7 +256,6 @@ def check_divides(axis: str, degree: int, what: str, total: int) -> None:
 # Capabilities not built yet: (field, test on the plan, what is missing). A plan that asks
 # for one raises PlanError at compile time; the entry goes when the capability lands.
 NOT_BUILT = [
-    ("cp", lambda p: p.cp > 1, "context parallelism"),
     ("overlap", lambda p: p.overlap, "comm-compute overlap passes"),
     ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),
     ("moe.hot_expert_replication", lambda p: p.moe.hot_expert_replication,

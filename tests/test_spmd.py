@@ -25,7 +25,7 @@ LLAMA = "llama-tiny"
 def check_models(rank, world, cases):
     """check_plan for several (model, plan, model_kwargs) in the same processes."""
     for model_name, plan_kwargs, model_kwargs in cases:
-        check_plan(rank, world, model_name, plan_kwargs, 3, 4, 16, model_kwargs)
+        check_plan(rank, world, model_name, plan_kwargs, model_kwargs=model_kwargs)
 
 
 @pytest.mark.parametrize("model_name", ["llama-tiny", "gpt-tiny", "moe-tiny"])

@@ -13,6 +13,7 @@ from mxgraph.passes.remat import remat_pass
 from mxgraph.passes.fuse import fuse_pass
 from mxgraph.passes.runner import PassSpec
 from mxgraph.passes.shard_ep import shard_ep_pass
+from mxgraph.passes.shard_cp import shard_cp_pass
 from mxgraph.passes.shard_tp import shard_tp_pass
 
 FORWARD_PASSES = [
@@ -20,6 +21,8 @@ FORWARD_PASSES = [
              "first: later matchers then see no alias/detach/identity dropout between ops"),
     PassSpec("shard_ep", shard_ep_pass, "forward",
              "before shard_tp: it matches the MoE blocks as traced; TP then sees local experts"),
+    PassSpec("shard_cp", shard_cp_pass, "forward",
+             "before shard_tp: TP then shards heads and hidden of the local sequence"),
     PassSpec("shard_tp", shard_tp_pass, "forward",
              "before fusion and autograd: collectives get their conjugates derived, and "
              "fused ops see local shapes"),
