@@ -91,7 +91,17 @@ class Step:
                                                     self.plan.micro_batches))
         else:
             loss = compiled.run(self.model, flat_inputs(args, kwargs))
+        self._sum_over_context_parallel()
         return self._reduce_data_parallel(loss)
+
+    def _sum_over_context_parallel(self) -> None:
+        """With cp > 1 each rank's parameter gradients cover its part of the sequence
+        (passes/shard_cp.py): sum them over the CP group."""
+        if self.mesh.sizes["cp"] == 1:
+            return
+        for _, param in self._model_parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=self.mesh.group("cp"))
 
     def prepare(self, *args, **kwargs) -> None:
         """Compile for these inputs' signature without running a step (after this,
