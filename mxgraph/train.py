@@ -169,20 +169,20 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
 
 def _capture(plan: Plan, named: dict, optimizer, data_position=None,
              plan_dict: dict | None = None) -> dict:
-    """`capture_training_state`; under zero1 the parameter shards and the optimizer state
-    differ between data-parallel ranks, so they go under "rank_local" (kept per rank on
-    disk, instead of once for all ranks)."""
+    """`capture_training_state`; when ranks hold different parameters (zero1 shards, tp/ep
+    shards, pp stages) the parameters and the optimizer state go under "rank_local" (kept
+    per rank on disk, instead of once for all ranks)."""
     state = capture_training_state(named, optimizer, None, data_position, plan_dict)
-    if plan.zero1:
-        state["rank_local"]["zero1"] = {"model": state.pop("model"),
-                                        "optimizer": state.pop("optimizer")}
+    if plan.zero1 or plan.tp > 1 or plan.pp > 1 or plan.ep > 1:
+        state["rank_local"]["sharded"] = {"model": state.pop("model"),
+                                          "optimizer": state.pop("optimizer")}
     return state
 
 
 def _apply(state: dict, named: dict, optimizer):
     """`apply_training_state` for a state from `_capture`; returns the data position."""
-    if "zero1" in state["rank_local"]:
-        state = {**state, **state["rank_local"]["zero1"]}
+    if "sharded" in state["rank_local"]:
+        state = {**state, **state["rank_local"]["sharded"]}
     return apply_training_state(state, named, optimizer)
 
 
