@@ -81,18 +81,26 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
     inspect = commands.add_parser("inspect", help="summarise a dump directory, or estimate "
-                                  "memory per rank (--memory)")
+                                  "memory (--memory) or communication (--comm) per rank")
     inspect.add_argument("dump_dir", nargs="?", help="directory written by Plan(dump_dir=...)")
     inspect.add_argument("--memory", action="store_true",
                          help="estimate memory per pipeline rank for --model under --plan "
                               "(meta device, nothing allocated): table + bar chart PNG")
-    inspect.add_argument("--model", help="preset name for --memory (e.g. llama2-70b)")
-    inspect.add_argument("--plan", help="plan TOML file for --memory (default: Plan())")
-    inspect.add_argument("--batch-size", type=int, default=1, help="micro-batch size (--memory)")
+    inspect.add_argument("--comm", action="store_true",
+                         help="bytes per collective kind and parallel axis per rank and step "
+                              "for --model under --plan, read from the graphs compiled on a "
+                              "paper mesh (meta device, nothing runs); set dp in the plan")
+    inspect.add_argument("--model", help="preset name for --memory/--comm (e.g. llama2-70b)")
+    inspect.add_argument("--plan", help="plan TOML file for --memory/--comm (default: Plan())")
+    inspect.add_argument("--batch-size", type=int, default=1,
+                         help="micro-batch size (--memory), batch size (--comm)")
     inspect.add_argument("--seq-len", type=int, default=None,
-                         help="sequence length (--memory; default: the model's max_seq_len)")
+                         help="sequence length (--memory/--comm; default: the model's "
+                              "max_seq_len)")
     inspect.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                         help="parameter dtype (--memory)")
+                         help="parameter dtype (--memory/--comm)")
+    inspect.add_argument("--layers", type=int, default=None,
+                         help="trace this many layers instead of the preset's (--comm)")
     inspect.add_argument("--png", default="memory.png", help="bar chart path (--memory)")
     inspect.add_argument("--diff", nargs=2, metavar=("PASS_A", "PASS_B"),
                          help="show which ops two passes' graphs differ in")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mxgraph.capture import capture, flat_inputs, model_tensors, slot_tensor
 from mxgraph.codegen.python import generate
+from mxgraph.comm import write_comm_dump
 from mxgraph.compile_pipeline import compile_pipeline, split_microbatches
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
@@ -34,10 +35,12 @@ from mxgraph.runtime.pipeline import PipelineExecutor
 class Step:
     """A compiled training step for one model and plan (see module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, plan: Plan):
+    def __init__(self, model: torch.nn.Module, plan: Plan, mesh: Mesh | None = None):
         self.model = model
         self.plan = plan
-        self.mesh = Mesh.from_plan(plan)
+        self.mesh = mesh or Mesh.from_plan(plan)
+        """This rank's mesh; `Mesh.on_paper(...)` compiles for many ranks without running
+        (see `mxgraph.comm.comm_report`)."""
         self._compiled: dict[tuple, object] = {}
         self.contexts: list[CompileContext] = []
         """One per compiled input signature: the pass records (and dump dir)."""
@@ -109,6 +112,8 @@ class Step:
         key = _signature(args, kwargs)
         if key not in self._compiled:
             self._compiled[key] = self._compile(args, kwargs)
+            if self.contexts[-1].dump_dir is not None:  # comm.txt: mxgraph.comm's table
+                write_comm_dump(self, self._compiled[key], self.contexts[-1].dump_dir)
 
     def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
         """Average loss and gradients over the data-parallel group (gradients bucket by

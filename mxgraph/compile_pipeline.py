@@ -79,8 +79,8 @@ def compile_pipeline(model, plan, mesh: Mesh, ctx: CompileContext, args, kwargs,
                 tensors.append(slot_tensor(slot, model_state, graph.forward.constants))
             elif slot.key < graph.num_activations:
                 meta = node.meta["val"]
-                example.append(torch.zeros(meta.shape, dtype=meta.dtype).requires_grad_(
-                    meta.is_floating_point()))
+                example.append(torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
+                               .requires_grad_(meta.is_floating_point()))  # meta: paper mesh
             else:
                 example.append(microbatch[graph.user_inputs[slot.key - graph.num_activations]])
         outputs = list(graph.forward.gm.graph.find_nodes(op="output")[0].args[0])

@@ -1,4 +1,5 @@
-"""`mxgraph inspect DIR`: print a dump's summary, and the op-count difference of two passes."""
+"""`mxgraph inspect DIR`: print a dump's summary (communication included), and the op-count
+difference of two passes; `--memory` and `--comm` estimate a preset under a plan."""
 from __future__ import annotations
 
 import csv
@@ -36,13 +37,24 @@ def diff_text(directory: Path, first: str, second: str) -> str:
 def summary_text(directory: Path) -> str:
     records = read_summary(directory)
     header = f"{'#':>3} {'pass':<22} {'phase':<8} {'nodes':>7} {'GFLOP':>10} " \
-             f"{'peak MiB':>9} {'ms':>8}  unknown ops"
+             f"{'peak MiB':>9} {'comm MiB':>9} {'ms':>8}  unknown ops"
     lines = [header]
     for r in records:
+        comm = sum(int(v) for k, v in r.items() if k.startswith("comm_"))
         lines.append(f"{r['index']:>3} {r['pass']:<22} {r['phase']:<8} {r['nodes']:>7} "
                      f"{int(r['flops']) / 1e9:>10.4f} {int(r['peak_mem']) / 2**20:>9.2f} "
-                     f"{float(r['time_ms']):>8.1f}  {r['unknown_ops']}")
+                     f"{comm / 2**20:>9.2f} {float(r['time_ms']):>8.1f}  {r['unknown_ops']}")
     return "\n".join(lines)
+
+
+def comm_totals_text(directory: Path) -> str:
+    """The graph collectives of the last pass, bytes per kind (summary.txt's comm_*)."""
+    last = read_summary(directory)[-1]
+    kinds = {k.removeprefix("comm_"): int(v) for k, v in last.items() if k.startswith("comm_")}
+    if not kinds:
+        return "(no comm_* fields in summary.txt: written by an older mxgraph)"
+    return f"collectives in the graph after {last['pass']} (MiB): " + ", ".join(
+        f"{kind} {value / 2**20:.2f}" for kind, value in kinds.items())
 
 
 def memory_main(args) -> int:
@@ -64,9 +76,40 @@ def memory_main(args) -> int:
     return 0
 
 
+def comm_main(args) -> int:
+    """`mxgraph inspect --comm --model NAME [--plan plan.toml]`: compile on a paper mesh
+    (meta device, nothing runs) and print the communication per axis and kind."""
+    import dataclasses
+
+    import torch
+
+    import models
+    from mxgraph.comm import comm_report
+    from mxgraph.plan import Plan
+    if not args.model:
+        raise SystemExit("--comm needs --model NAME (a preset, e.g. llama2-7b)")
+    plan = Plan.from_toml(args.plan) if args.plan else Plan()
+    config = models.PRESETS[args.model][1]
+    if args.layers:
+        config = dataclasses.replace(config, n_layers=args.layers)
+    model = models.build_from_config(config, device="meta", dtype=getattr(torch, args.dtype))
+    tokens = torch.zeros(args.batch_size, args.seq_len or config.max_seq_len,
+                         dtype=torch.long, device="meta")
+    report = comm_report(model, plan, (tokens, tokens))
+    layers = f", {config.n_layers} layers" if args.layers else ""
+    default = Plan().to_dict()
+    changed = [f"{k}={v}" for k, v in plan.to_dict().items() if v != default[k]]
+    print(f"{args.model}{layers}, batch {tuple(tokens.shape)}, {args.dtype}: "
+          f"Plan({', '.join(changed)})")
+    print(report.table())
+    return 0
+
+
 def main(args) -> int:
     if getattr(args, "memory", False):
         return memory_main(args)
+    if getattr(args, "comm", False):
+        return comm_main(args)
     if not args.dump_dir:
         raise SystemExit("inspect needs a dump directory (or --memory --model NAME)")
     directory = Path(args.dump_dir)
@@ -74,6 +117,9 @@ def main(args) -> int:
         raise SystemExit(f"{directory} has no summary.txt; was it written by "
                          "Plan(dump_dir=...) or MXGRAPH_DUMP?")
     print(summary_text(directory))
+    print(comm_totals_text(directory))
+    if (directory / "comm.txt").exists():
+        print((directory / "comm.txt").read_text().rstrip())
     if args.diff:
         print()
         print(diff_text(directory, *args.diff))

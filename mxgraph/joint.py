@@ -17,7 +17,7 @@ from torch._functorch._aot_autograd.descriptors import (
     TangentAOTInput)
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from mxgraph.capture import ForwardGraph, Slot
@@ -61,8 +61,11 @@ def build_joint(forward: ForwardGraph, tensors: list[torch.Tensor], inputs: list
     outputs (the loss, or a pipeline stage's activations)."""
     holder = _GraphModule(forward, tensors)
     # A fake mode with a ShapeEnv lets data-dependent sizes (MoE token counts) stay
-    # symbolic (unbacked) instead of failing; every input shape stays static.
-    fake_mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    # symbolic (unbacked) instead of failing; every input shape stays static. Tensors that
+    # are fake already (a model compiled without memory: mxgraph.comm) keep their mode.
+    modes = [m for m in map(maybe_get_fake_mode, list(tensors) + list(inputs)) if m is not None]
+    fake_mode = modes[0] if modes else FakeTensorMode(shape_env=ShapeEnv(),
+                                                      allow_non_fake_inputs=True)
     fake_inputs = [_fake(fake_mode, x)
                    if isinstance(x, torch.Tensor) else x for x in inputs]
     with contextlib.ExitStack() as stack:

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch.fx import GraphModule
 
+from mxgraph.comm import graph_comm_bytes
 from mxgraph.context import CompileContext
 from mxgraph.cost import graph_cost
 from mxgraph.dump import write_dump
@@ -56,15 +57,17 @@ def record(ctx: CompileContext, name: str, phase: str, gm: GraphModule,
     """Summarise the graph after a pass (or after capture/grad) and dump it."""
     flops, moved, unknown = graph_cost(gm)
     peak, resident = estimate_peak(gm)
+    comm = graph_comm_bytes(gm)
     rec = {"index": ctx.pass_index, "pass": name, "phase": phase,
            "nodes": len(gm.graph.nodes), "flops": flops, "bytes": moved,
            "peak_mem": peak, "resident": resident, "unknown_ops": unknown,
-           "time_ms": round(elapsed * 1e3, 2)}
+           "time_ms": round(elapsed * 1e3, 2), "comm": comm}
     ctx.records.append(rec)
     if ctx.dump_dir is not None:
         line = (f"{rec['index']:02d} {name} phase={phase} nodes={rec['nodes']} "
                 f"flops={flops} bytes={moved} peak_mem={peak} resident={resident} "
-                f"unknown_ops={','.join(unknown) or '-'} time_ms={rec['time_ms']}")
+                f"unknown_ops={','.join(unknown) or '-'} time_ms={rec['time_ms']} " +
+                " ".join(f"comm_{kind}={value}" for kind, value in comm.items()))
         write_dump(ctx.dump_dir, ctx.pass_index, name, gm, line)
     ctx.pass_index += 1
     return rec

@@ -71,6 +71,16 @@ class Mesh:
         GROUP_SIZES[name] = self.sizes[axis]
         return name
 
+    def axis_of(self, group_name: str) -> str:
+        """The axis whose group is named `group_name` (the inverse of `group_name`). Should
+        two axes share a group, the narrower wins: ep over dp (edp == 1), dp over edp
+        (ep == 1)."""
+        for axis in ("tp", "cp", "ep", "dp", "edp", "pp"):
+            if self.group_name(axis) == group_name:
+                return axis
+        raise KeyError(f"no axis of this mesh has the group {group_name!r}; its groups: "
+                       f"{ {axis: self.group_name(axis) for axis in self.sizes} }")
+
     def rank_at(self, **coords) -> int:
         """The global rank at this rank's coordinates, with `coords` replaced."""
         merged = {**self.coords, **coords}
