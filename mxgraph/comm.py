@@ -12,7 +12,7 @@ Everything is read from what the compiler produced, not from formulas:
   once per execution); phase from the node's `partitioner_tag`. With pipelining or
   micro-batches, in each stage's F/B/W programs, once per action this rank's schedule runs.
 * **runtime** collectives (phase "runtime") that `Step` runs outside the graphs: the
-  sum of parameter gradients over cp (one all-reduce each); the data-parallel reduction,
+  sum of parameter gradients over cp (one all-reduce per dtype); the data-parallel reduction,
   one collective per gradient bucket as `runtime/data_parallel.py` lays out this rank's
   parameters (an all-reduce over dp, expert buckets over edp; with `zero1` a
   reduce-scatter of the gradients plus an all-gather of the updated parameters), and of
@@ -211,12 +211,17 @@ def data_parallel_entries(step) -> list[CommEntry]:
 
 def context_parallel_entries(step, grad_names: list[str]) -> list[CommEntry]:
     """With cp > 1 `Step` sums every parameter gradient over the CP group (each rank's
-    covers its part of the sequence: passes/shard_cp.py), one all-reduce per parameter."""
+    covers its part of the sequence: passes/shard_cp.py), one all-reduce per dtype of the
+    gradients flattened together."""
     if step.mesh.sizes["cp"] == 1:
         return []
     params = dict(step.model.named_parameters(remove_duplicate=False))
-    return [CommEntry("cp", "all_reduce", "runtime", tensor_bytes(params[name]), name)
-            for name in dict.fromkeys(grad_names)]
+    by_dtype: dict[torch.dtype, int] = {}
+    for name in dict.fromkeys(grad_names):
+        by_dtype[params[name].dtype] = (by_dtype.get(params[name].dtype, 0)
+                                        + tensor_bytes(params[name]))
+    return [CommEntry("cp", "all_reduce", "runtime", moved, f"gradients ({dtype})")
+            for dtype, moved in by_dtype.items()]
 
 
 def _joint_entries(step, compiled, unbacked) -> tuple[list[CommEntry], int, list[str]]:

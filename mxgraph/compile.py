@@ -102,9 +102,13 @@ class Step:
         (passes/shard_cp.py): sum them over the CP group."""
         if self.mesh.sizes["cp"] == 1:
             return
-        for _, param in self._model_parameters():
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=self.mesh.group("cp"))
+        grads = [p.grad for _, p in self._model_parameters() if p.grad is not None]
+        for dtype in {g.dtype for g in grads}:  # one all-reduce per dtype
+            same = [g for g in grads if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])
+            dist.all_reduce(flat, group=self.mesh.group("cp"))
+            for grad, part in zip(same, flat.split([g.numel() for g in same])):
+                grad.copy_(part.view_as(grad))
 
     def prepare(self, *args, **kwargs) -> None:
         """Compile for these inputs' signature without running a step (after this,

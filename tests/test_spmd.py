@@ -20,6 +20,7 @@ from tests.distributed import run_ranks
 from tests.test_pipeline_exec import check_plan
 
 LLAMA = "llama-tiny"
+MODEL_KWARGS = {"moe-tiny": dict(expert_impl="grouped_mm")}  # the loop form traces slowly
 
 
 def check_models(rank, world, cases):
@@ -30,12 +31,13 @@ def check_models(rank, world, cases):
 
 @pytest.mark.parametrize("model_name", ["llama-tiny", "gpt-tiny", "moe-tiny"])
 def test_tp2_sequence_parallel(model_name):
-    run_ranks(2, check_models, [(model_name, dict(tp=2, sequence_parallel=True), None)])
+    run_ranks(2, check_models, [(model_name, dict(tp=2, sequence_parallel=True),
+                                 MODEL_KWARGS.get(model_name))])
 
 
 @pytest.mark.parametrize("model_name", ["llama-tiny", "gpt-tiny", "moe-tiny"])
 def test_cp2(model_name):
-    run_ranks(2, check_models, [(model_name, dict(cp=2), None)])
+    run_ranks(2, check_models, [(model_name, dict(cp=2), MODEL_KWARGS.get(model_name))])
 
 
 def test_cp2_tp2_llama_with_and_without_sequence_parallel():
