@@ -31,10 +31,10 @@ def ep_local(reference: torch.Tensor, mine: torch.Tensor, step) -> torch.Tensor:
     return tp_local(reference, mine, step)
 
 
-def check_ep(rank, world, model_name, plan_kwargs, steps=3, model_kwargs=None):
+def check_ep(rank, world, model_name, plan_kwargs, steps=3, model_kwargs=None, lr=1e-2):
     pipeline_exec.local = ep_local  # this process only (spawned per test)
     pipeline_exec.check_plan(rank, world, model_name, plan_kwargs, steps,
-                             model_kwargs=model_kwargs)
+                             model_kwargs=model_kwargs, lr=lr)
 
 
 @pytest.mark.parametrize("expert_impl", ["grouped_mm", "loop"])
@@ -43,7 +43,10 @@ def test_ep2_moe_tiny(expert_impl):
 
 
 def test_tp2_ep2_moe_tiny():
-    run_ranks(4, check_ep, "moe-tiny", dict(tp=2, ep=2), 2, dict(expert_impl="grouped_mm"))
+    # lr 1e-3: at 1e-2 two AdamW steps already turn TP's summation-order differences
+    # into a different top-k choice for some token (tp2 x dp2 without EP does the same)
+    run_ranks(4, check_ep, "moe-tiny", dict(tp=2, ep=2), 3, dict(expert_impl="grouped_mm"),
+              1e-3)
 
 
 @settings(max_examples=2, deadline=None)

@@ -27,7 +27,7 @@ def local(reference: torch.Tensor, mine: torch.Tensor, step) -> torch.Tensor:
 
 
 def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_len=16,
-               model_kwargs=None):
+               model_kwargs=None, lr=1e-2):
     torch.manual_seed(0)
     model = models.build_model(model_name, **(model_kwargs or {}))
     for name, param in model.named_parameters():
@@ -47,8 +47,8 @@ def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_
         if opt is None:
             # eps=1e-6: some gradients are mathematically zero (a key bias under softmax)
             # and are pure rounding noise; Adam's default eps turns noise into full steps.
-            opt = torch.optim.AdamW(step.parameters(), lr=1e-2, eps=1e-6)
-            ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
+            opt = torch.optim.AdamW(step.parameters(), lr=lr, eps=1e-6)
+            ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=1e-6)
         reference.zero_grad()
         # eager autograd over the same micro-batches of the global batch, accumulated
         # (Adam amplifies reduction-order noise in near-zero gradients otherwise)
