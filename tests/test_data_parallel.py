@@ -45,14 +45,14 @@ def check_grads(step, ref_params, i):
     for bucket in buckets:
         if not step.plan.zero1:
             for name, param in zip(bucket.names, bucket.params):
-                ref = local(ref_params[name].grad, param.grad, step)
+                ref = local(ref_params[name].grad, param.grad, step, param)
                 err = floored_err(param.grad, ref, scale)
                 assert err <= GRAD_TOL, f"step {i} {name}: grad error {err:.2e}"
             continue
         assert all(p.grad is None for p in bucket.params), "zero1 left a model .grad"
         covered = 0
         for name, param, in_param, in_shard in shard_slices(step, bucket):
-            ref = local(ref_params[name].grad, param, step).reshape(-1)[in_param]
+            ref = local(ref_params[name].grad, param, step, param).reshape(-1)[in_param]
             err = floored_err(bucket.shard.grad[in_shard], ref, scale)
             assert err <= GRAD_TOL, f"step {i} {name}[{in_param}]: grad error {err:.2e}"
             covered += in_shard.stop - in_shard.start
@@ -108,7 +108,7 @@ def check_parameters(step, ref_params, steps):
     scale = max(p.norm().item() for p in ref_params.values())
     for bucket in step.data_parallel.buckets:
         for name, param in zip(bucket.names, bucket.params):
-            err = floored_err(param, local(ref_params[name], param, step), scale)
+            err = floored_err(param, local(ref_params[name], param, step, param), scale)
             assert err <= PARAM_TOL, f"{name} after {steps} steps: error {err:.2e}"
         if step.plan.zero1:  # the shard and the synced parameters agree exactly
             for _, param, in_param, in_shard in shard_slices(step, bucket):

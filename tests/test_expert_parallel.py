@@ -22,13 +22,13 @@ from tests.distributed import run_ranks
 tp_local = pipeline_exec.local
 
 
-def ep_local(reference: torch.Tensor, mine: torch.Tensor, step) -> torch.Tensor:
+def ep_local(reference: torch.Tensor, mine: torch.Tensor, step, param=None) -> torch.Tensor:
     """This rank's shard of a reference tensor: its experts for an expert parameter (or
     its gradient), else the TP shard (`local` of test_pipeline_exec)."""
     experts = [p for p in step.model.parameters() if id(p) in step.expert_param_ids]
     if any(mine is p or mine is p.grad for p in experts):
         return reference.chunk(step.mesh.sizes["ep"], 0)[step.mesh.coords["ep"]]
-    return tp_local(reference, mine, step)
+    return tp_local(reference, mine, step, param)
 
 
 def check_ep(rank, world, model_name, plan_kwargs, steps=3, model_kwargs=None, lr=1e-2):

@@ -6,20 +6,26 @@ the whole global batch (accumulated over the same micro-batches). Tolerances: lo
 parameters after 3 AdamW steps 1e-4.
 """
 import copy
+import functools
 
 import pytest
 import torch
 
 import models
 import mxgraph as mx
+from mxgraph.passes.shard_tp import tp_shard
 from tests.distributed import run_ranks
 from tests.helpers import rel_err
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
-def local(reference: torch.Tensor, mine: torch.Tensor, step) -> torch.Tensor:
-    """This rank's shard of a reference tensor (the tensor itself when unsharded)."""
+def local(reference: torch.Tensor, mine: torch.Tensor, step, param=None) -> torch.Tensor:
+    """This rank's shard of a reference tensor (the tensor itself when unsharded); for a
+    TP-sharded parameter (or its gradient) cut like the parameter (`mx_tp_layout`)."""
+    layout = getattr(param, "mx_tp_layout", None)
+    if layout is not None:
+        return tp_shard(reference, *layout, step.mesh.sizes["tp"], step.mesh.coords["tp"])
     for dim, (full, part) in enumerate(zip(reference.shape, mine.shape)):
         if full != part:
             return reference.chunk(full // part, dim)[step.mesh.coords["tp"]]
@@ -28,8 +34,11 @@ def local(reference: torch.Tensor, mine: torch.Tensor, step) -> torch.Tensor:
 
 def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_len=16,
                model_kwargs=None, lr=1e-2):
+    """`model_name`: a preset name, or a callable(**model_kwargs) building the model."""
     torch.manual_seed(0)
-    model = models.build_model(model_name, **(model_kwargs or {}))
+    build = model_name if callable(model_name) else functools.partial(models.build_model,
+                                                                      model_name)
+    model = build(**(model_kwargs or {}))
     for name, param in model.named_parameters():
         if name.endswith("attn.wk.bias"):  # softmax ignores it: its gradient is exactly 0
             param.requires_grad_(False)    # in exact arithmetic, rounding noise in fp32
@@ -64,14 +73,14 @@ def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_
         for name, param in owned.items():
             # relative to the gradient's norm, floored at 1e-3 of the largest gradient
             # norm so that mathematically-zero gradients compare as absolute noise
-            ref = local(ref_params[name].grad, param.grad, step)
+            ref = local(ref_params[name].grad, param.grad, step, param)
             err = ((param.grad - ref).norm() / max(ref.norm().item(), 1e-3 * scale)).item()
             assert err <= GRAD_TOL, f"step {i} {name}: grad error {err:.2e}"
         opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
     ref_params = dict(reference.named_parameters())
     scale = max(p.norm().item() for p in ref_params.values())
     for name, param in step.named_parameters():  # noqa: B007
-        ref = local(ref_params[name], param, step)  # floored like the gradients
+        ref = local(ref_params[name], param, step, param)  # floored like the gradients
         err = ((param - ref).norm() / max(ref.norm().item(), 1e-3 * scale)).item()
         assert err <= GRAD_TOL, f"{name} after {steps} steps: error {err:.2e}"
 

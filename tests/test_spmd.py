@@ -113,3 +113,12 @@ def test_sequence_parallel_leaves_no_all_reduce_in_llama_layers():
     assert count.get("tp_all_reduce", 0) == 0
     assert count.get("tp_all_gather", 0) == 0  # no fallback gathers
     assert count.get("vocab_parallel_ce", 0) == 1  # the logits are never gathered
+
+
+@pytest.mark.parametrize("plan", [dict(tp=2), dict(tp=2, sequence_parallel=True), dict(cp=2)],
+                         ids=["tp2", "tp2-sp", "cp2"])
+def test_nanogpt_style_model(plan):
+    """A model written in another style (fused q/k/v linear split in three, nn.Sequential
+    MLP, tied head declared the other way round, ignore_index=-1)."""
+    from tests.foreign_models import NanoGPT
+    run_ranks(2, check_plan, NanoGPT, plan, 3, 8, 16)

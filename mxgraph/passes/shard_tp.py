@@ -66,6 +66,7 @@ class _Sharder:
         self.param_dim: dict[Node, int | None] = {}
         self.copies: dict[Node, Node] = {}
         self.seq_gathers: dict[Node, Node] = {}
+        self.blocks: dict[Node, list[int]] = {}  # parameter -> block sizes along dim 0
 
     # ---- helpers ----------------------------------------------------------------------
     def insert(self, before: Node, target, args) -> Node:
@@ -167,7 +168,8 @@ class _Sharder:
                                   val=node.meta["val"])
                 self.place[added] = self.pointwise(added)
             return R  # the linear itself is partial; only the reduced value is read
-        self.gather_all(node)
+        if any(self.place.get(a, R) is not R for a in node.all_input_nodes):
+            self.gather_all(node)
         return R
 
     def shard_param_bias(self, bias: Node, dim: int) -> bool:
@@ -255,17 +257,58 @@ class _Sharder:
         position = 1 if node.target is aten.unbind.int else 2
         along = (node.args[position] if len(node.args) > position else
                  node.kwargs.get("dim", 0)) % ndim
+        if dim is not R and along == dim and self.split_blocks(node, x, along):
+            return dim
         if dim is R or along == dim:
             if dim is not R:
                 self.gather_all(node)
             return R
         return dim - 1 if node.target is aten.unbind.int and along < dim else dim
 
+    def split_blocks(self, node: Node, x: Node, along: int) -> bool:
+        """A column-parallel output split in pieces along its sharded dim (a fused q/k/v
+        or gate/up projection): shard the weight block by block, so that each rank holds
+        its slice of every piece (Megatron's fused-QKV layout) and the pieces stay sharded.
+        False if the pattern does not hold (the caller gathers)."""
+        src = x
+        while src.op == "call_function" and src.target in KEEP_OPS - {
+                aten.dropout.default, aten.native_dropout.default}:
+            src = src.args[0]
+        if src.op != "call_function" or src.target is not aten.linear.default or \
+                node.target is aten.unbind.int or along != x.meta["val"].dim() - 1:
+            return False
+        params = [p for p in src.args[1:3] if p is not None]
+        full = x.meta["val"].shape[along]
+        if node.target is aten.split.Tensor:
+            size = node.args[1]
+            sizes = [size] * (full // size) + ([full % size] if full % size else [])
+        elif node.target is aten.split_with_sizes.default:
+            sizes = list(node.args[1])
+        else:  # chunk
+            sizes = [t.meta["val"].shape[along] for t in node.users] or []
+            if len(sizes) != node.args[1]:
+                return False
+        if any(size % self.tp for size in sizes) or any(
+                self.param_dim.get(p) != 0 or len(p.users) != 1 for p in params):
+            return False
+        for param in params:
+            self.blocks[param] = sizes
+        if node.target is aten.split.Tensor:
+            node.args = (x, node.args[1] // self.tp) + tuple(node.args[2:])
+        elif node.target is aten.split_with_sizes.default:
+            node.args = (x, [size // self.tp for size in sizes]) + tuple(node.args[2:])
+        return True
+
     def cat(self, node: Node) -> int | None:
         tensors, along = node.args[0], node.args[1] if len(node.args) > 1 else 0
         dims = {self.place.get(t, R) for t in tensors}
         ndim = node.meta["val"].dim()
-        if len(dims) == 1 and (d := dims.pop()) is not R and d != along % ndim:
+        sharded = dims - {R}
+        if len(sharded) == 1 and (d := sharded.pop()) != along % ndim:
+            for t in tensors:  # replicated pieces (e.g. a shared RoPE key): this rank's part
+                if self.place.get(t, R) is R:
+                    node.replace_input_with(t, self.insert(node, mx.tp_slice.default,
+                                                           (t, d, self.group)))
             return d
         self.gather_all(node)
         return R
@@ -458,6 +501,8 @@ def shard_tp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
         dim = sharder.param_dim.get(node)
         if isinstance(dim, int):
             node.meta["tp_shard_dim"] = dim
+            if node in sharder.blocks:
+                node.meta["tp_blocks"] = sharder.blocks[node]
             shape = list(value.shape)
             shape[dim] //= sharder.tp
             with fake_mode:
@@ -483,9 +528,22 @@ def shard_parameters(model: torch.nn.Module, gm: GraphModule, ctx: CompileContex
         full = named[node.meta["mx_slot_key"]]
         if full.shape == node.meta["val"].shape:
             continue  # already sharded by an earlier compile
-        shard = torch.nn.Parameter(full.detach().chunk(tp, dim)[rank].clone(),
+        shard = torch.nn.Parameter(tp_shard(full.detach(), dim, node.meta.get("tp_blocks"),
+                                            tp, rank).clone(),
                                    requires_grad=full.requires_grad)
+        shard.mx_tp_layout = (dim, node.meta.get("tp_blocks"))
         for name, param in named.items():
             if param is full:
                 owner, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(owner) if owner else model, leaf, shard)
+
+
+def tp_shard(full: torch.Tensor, dim: int, blocks: list[int] | None, tp: int,
+             rank: int) -> torch.Tensor:
+    """Rank `rank`'s TP shard of a full tensor along `dim`: one chunk, or with `blocks`
+    (sizes along `dim` of a fused projection's pieces) its chunk of every block. A
+    parameter the pass sharded carries `mx_tp_layout = (dim, blocks)`, so a full tensor
+    (a checkpoint, a reference gradient) can be cut the same way."""
+    if blocks is None:
+        return full.chunk(tp, dim)[rank]
+    return torch.cat([block.chunk(tp, dim)[rank] for block in full.split(blocks, dim)], dim)
