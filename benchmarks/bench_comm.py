@@ -19,9 +19,8 @@ to its 3 dense + 58 MoE layers, routed experts as one grouped GEMM
 DeepSeek-V3 runs without TP: mxgraph's TP layout of MLA and the routed experts is not
 Megatron's (its q/kv down-projections are column-parallel, experts stay whole), so no
 Megatron formula applies; `mxgraph inspect --comm` shows what that graph moves. CP: K/V
-all-gathered per layer (Megatron's ring moves the same bytes); mxgraph gathers them after
-the model's GQA repeat, at query-head width: a term of its own (8x the KV bytes on
-llama2-70b).
+all-gathered per layer (Megatron's ring moves the same bytes); mxgraph gathers them
+before the model's GQA repeat, at KV-head width.
 
 Expert parallelism: the rows a rank receives are data-dependent (unbacked sizes); the
 report counts them at their upper bound (ep x the rows it sends) unless told otherwise.
@@ -180,19 +179,12 @@ def megatron_terms(config, plan, batch: int, seq: int, dtype) -> list[Term]:
         head_dim = h // config.n_heads
         kv = config.n_kv_heads * head_dim // t  # this rank's K (or V) width
         full = b * seq * e  # per width element, over the whole sequence
-        repeated = (config.n_heads - config.n_kv_heads) * head_dim // t
         terms += [
             Term("cp", "all_gather", 2 * L * full * kv,
                  "2·L·b·S·kv·e/t: per layer, forward all-gather of K and V over the whole "
                  "sequence S (kv: KV heads x head dim)"),
             Term("cp", "reduce_scatter", 2 * L * full * kv,
                  "2·L·b·S·kv·e/t: per layer, backward reduce-scatter of their gradients"),
-            # mxgraph gathers K/V after the model's GQA repeat (at query-head width);
-            # Megatron gathers the KV heads: extra traffic whenever n_kv_heads < n_heads
-            Term("cp", "all_gather", 2 * L * full * repeated,
-                 "2·L·b·S·(heads-kv_heads)·head_dim·e/t: K/V gathered after the GQA repeat"),
-            Term("cp", "reduce_scatter", 2 * L * full * repeated,
-                 "2·L·b·S·(heads-kv_heads)·head_dim·e/t: their gradients, the same"),
             Term("cp", "all_reduce", 4 + 8 + 4,
                  "16: mean cross-entropy over cp, forward all-reduces of the local loss sum "
                  "(fp32) and token count (int64), backward one of the sum's gradient"),

@@ -96,9 +96,9 @@ def test_context_parallel_gathers_kv_and_sums_gradients():
     model = llama()
     cfg = model.config
     rep = report(model, Plan(cp=2))
-    # per layer K and V gathered over the whole sequence (at query-head width: the model
-    # repeats its KV heads before attention), their gradients reduce-scattered backward
-    kv = 2 * cfg.n_layers * B * S * cfg.dim * F32
+    # per layer K and V gathered over the whole sequence (at KV-head width: before the
+    # model repeats its KV heads), their gradients reduce-scattered backward
+    kv = 2 * cfg.n_layers * B * S * cfg.n_kv_heads * (cfg.dim // cfg.n_heads) * F32
     assert rep.total("cp", "all_gather", "forward") == kv
     assert rep.total("cp", "reduce_scatter", "backward") == kv
     # the step sums every parameter gradient over cp; the mean cross-entropy all-reduces

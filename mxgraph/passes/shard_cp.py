@@ -27,17 +27,19 @@ import operator
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import mxgraph.runtime.collectives_cp  # noqa: F401 - registers the ops
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
-from mxgraph.passes.shard_tp import KEEP_OPS, SPLIT_OPS, VIEW_OPS
+from mxgraph.passes.shard_tp import (KEEP_OPS, SPLIT_OPS, VIEW_OPS, add_tag, propagate,
+                                     repropagate, view_group)
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
 R = None
+SHAPE_ONLY = VIEW_OPS | {aten.expand.default, aten.transpose.int, aten.permute.default,
+                         aten.unsqueeze.default, aten.clone.default, aten.contiguous.default}
 TOKEN_OPS = {aten.linear.default, aten.layer_norm.default, aten.rms_norm.default}
 
 
@@ -104,9 +106,7 @@ class _ContextSharder:
         for arg in list(node.all_input_nodes):
             if self.place.get(arg, R) is not R:
                 node.replace_input_with(arg, self.gather(arg, node))
-        custom = dict(node.meta.get("custom") or {})
-        custom["tags"] = tuple(custom.get("tags", ())) + ("gathers",)
-        node.meta["custom"] = custom
+        add_tag(node, "gathers")
 
     # ---- rules ------------------------------------------------------------------------
     def pointwise(self, node: Node):
@@ -255,7 +255,7 @@ class _ContextSharder:
         if mask is not None or any(self.place.get(t, R) != (seq_dim, 1) for t in (q, k, v)):
             self.gather_all(node)
             return R
-        keys = [self.gather(t, node) for t in (k, v)]
+        keys = [self.gather_early(t, node) for t in (k, v)]
         kwargs = {key: val for key, val in node.kwargs.items()
                   if key not in ("attn_mask", "dropout_p", "is_causal")}
         dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
@@ -263,6 +263,26 @@ class _ContextSharder:
         node.args = (q, keys[0], keys[1], mask, dropout, False)
         node.kwargs = kwargs
         return seq_dim, 1
+
+    def gather_early(self, value: Node, user: Node) -> Node:
+        """Gather K or V for attention where it is smallest: before the shape-only ops
+        that lead to `user` (e.g. before a GQA repeat by expand + reshape, so the KV
+        heads move, not the query heads); those ops then see full shapes again."""
+        chain = [value]  # from the attention input back towards its source
+        while (chain[-1].op == "call_function" and chain[-1].target in SHAPE_ONLY
+               and len(chain[-1].users) == 1
+               and self.place.get(chain[-1].args[0], R) is not R):
+            chain.append(chain[-1].args[0])
+        best = min(range(len(chain)), key=lambda i: (chain[i].meta["val"].numel(), i))
+        if best == 0:
+            return self.gather(value, user)
+        consumer = chain[best - 1]
+        consumer.replace_input_with(chain[best], self.gather(chain[best], consumer))
+        for node in reversed(chain[:best]):  # back to full shapes, replicated
+            if node.target in VIEW_OPS or node.target is aten.expand.default:
+                node.args = (node.args[0], list(node.meta["val"].shape)) + node.args[2:]
+            self.place[node] = R
+        return value
 
     def causal_mask(self, q: Node, user: Node) -> Node:
         """[s/cp, s] bool: query at this rank's position i sees keys at positions <= i."""
@@ -335,18 +355,7 @@ class _ContextSharder:
 
     def run(self) -> None:
         self.cut_inputs()
-        for node in list(self.graph.nodes):
-            if node.op != "call_function" or node in self.place:
-                continue
-            if all(self.place.get(a, R) is R for a in node.all_input_nodes):
-                self.place[node] = R
-                continue
-            rule = self.rule(node)
-            if rule is None:
-                self.gather_all(node)
-                self.place[node] = R
-            else:
-                self.place[node] = rule(node)
+        propagate(self)
         output = self.graph.find_nodes(op="output")[0]
         for value in output.all_input_nodes:
             if self.place.get(value, R) is not R:
@@ -360,31 +369,20 @@ class _ContextSharder:
 def _map_view(full_in, full_out, dim, outer):
     """(output dim, outer) carrying a sequence shard through a view, or None.
 
-    Same grouping as shard_tp's: dims merged in front of the sequence multiply `outer`;
-    a merged dim split back must give the sequence its own last dim of the group."""
-    i = j = 0
-    while i < len(full_in) and j < len(full_out):
-        gi, gj = [i], [j]
-        pi, pj = full_in[i], full_out[j]
-        while pi != pj:
-            if pi < pj:
-                i += 1
-                gi.append(i)
-                pi *= full_in[i]
-            else:
-                j += 1
-                gj.append(j)
-                pj *= full_out[j]
-        if dim in gi:
-            if gi[-1] != dim:  # dims merged after the sequence: not a run of tokens
-                return None
-            new_outer = outer * math.prod(full_in[d] for d in gi[:-1])
-            if len(gj) == 1:
-                return gj[0], new_outer
-            lead = math.prod(full_out[d] for d in gj[:-1])
-            return (gj[-1], 1) if lead == new_outer else None
-        i, j = i + 1, j + 1
-    return None
+    Same groups as shard_tp's (`view_group`): dims merged in front of the sequence
+    multiply `outer`; a merged dim split back must give the sequence its own last dim of
+    the group."""
+    group = view_group(full_in, full_out, dim)
+    if group is None:
+        return None
+    gi, gj = group
+    if gi[-1] != dim:  # dims merged after the sequence: not a run of tokens
+        return None
+    new_outer = outer * math.prod(full_in[d] for d in gi[:-1])
+    if len(gj) == 1:
+        return gj[0], new_outer
+    lead = math.prod(full_out[d] for d in gj[:-1])
+    return (gj[-1], 1) if lead == new_outer else None
 
 
 def shard_cp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
@@ -398,9 +396,4 @@ def shard_cp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     if ctx.mesh is None or ctx.mesh.sizes["cp"] == 1:
         return gm
     _ContextSharder(gm, ctx).run()
-    inputs = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
-    gm.graph.lint()
-    gm.recompile()
-    fake_mode = torch._guards.detect_fake_mode(inputs)
-    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*inputs)
-    return gm
+    return repropagate(gm, {})

@@ -41,11 +41,11 @@ import operator
 
 import torch
 from torch.fx import GraphModule, Node
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import mxgraph.runtime.collectives_ep  # noqa: F401 - registers the all-to-all ops
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
+from mxgraph.passes.shard_tp import repropagate
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
@@ -405,22 +405,9 @@ def shard_ep_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
         return gm
     sharder = _ExpertSharder(gm, ctx)
     sharder.run()
-    fake_mode = torch._guards.detect_fake_mode(
-        [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")])
-    fake_inputs = []
-    for node in gm.graph.find_nodes(op="placeholder"):
-        value = node.meta["val"]
-        if node in sharder.params:
-            node.meta["ep_shard_dim"] = 0
-            shape = list(value.shape)
-            shape[0] //= sharder.ep
-            with fake_mode:
-                value = torch.empty(shape, dtype=value.dtype, device=value.device)
-        fake_inputs.append(value)
-    gm.graph.lint()
-    gm.recompile()
-    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*fake_inputs)
-    return gm
+    for node in sharder.params:
+        node.meta["ep_shard_dim"] = 0
+    return repropagate(gm, {node: (0, sharder.ep) for node in sharder.params})
 
 
 def shard_expert_parameters(model: torch.nn.Module, gm: GraphModule,

@@ -386,9 +386,7 @@ class _Sharder:
         for arg in list(node.all_input_nodes):
             if self.place.get(arg, R) is not R:
                 node.replace_input_with(arg, self.to_replicated(node, arg))
-        custom = dict(node.meta.get("custom") or {})
-        custom["tags"] = tuple(custom.get("tags", ())) + ("gathers",)
-        node.meta["custom"] = custom
+        add_tag(node, "gathers")
 
     def rule(self, node: Node):
         target = node.target
@@ -429,19 +427,7 @@ class _Sharder:
         return None
 
     def run(self) -> None:
-        for node in list(self.graph.nodes):
-            if node.op != "call_function" or node in self.place:
-                continue
-            if not any(self.place.get(a, R) is not R for a in node.all_input_nodes) and \
-                    node.target not in (aten.linear.default, aten.embedding.default):
-                self.place[node] = R
-                continue
-            rule = self.rule(node)
-            if rule is None:
-                self.gather_all(node)
-                self.place[node] = R
-            else:
-                self.place[node] = rule(node)
+        propagate(self, always=(aten.linear.default, aten.embedding.default))
         output = self.graph.find_nodes(op="output")[0]
         for value in output.all_input_nodes:
             if self.place.get(value, R) is not R:
@@ -454,12 +440,36 @@ def _reads_as_matrix(user: Node, param: Node, dim: int) -> bool:
     return user.target is aten.embedding.default and user.args[0] is param and dim == 0
 
 
-def _view_dim(full_in: list[int], full_out: list[int], dim: int) -> int | None:
-    """The output dim that carries input dim `dim`'s shard through a view, or None.
+def propagate(sharder, always=()) -> None:
+    """Visit the graph in order: a node with no sharded input (unless its op is in
+    `always`) is replicated; else `sharder.rule(node)` gives its placement, and a node
+    with no rule gathers its inputs (`sharder.gather_all`)."""
+    for node in list(sharder.graph.nodes):
+        if node.op != "call_function" or node in sharder.place:
+            continue
+        if node.target not in always and all(sharder.place.get(a, R) is R
+                                             for a in node.all_input_nodes):
+            sharder.place[node] = R
+            continue
+        rule = sharder.rule(node)
+        if rule is None:
+            sharder.gather_all(node)
+            sharder.place[node] = R
+        else:
+            sharder.place[node] = rule(node)
 
-    Groups of input and output dims with equal products are matched left to right; the
-    shard survives if `dim` is the leading non-1 dim of its group, and goes to the leading
-    non-1 output dim of the same group."""
+
+def add_tag(node: Node, tag: str) -> None:
+    """Append `tag` to meta["custom"]["tags"] (shown in the dump's node table)."""
+    custom = dict(node.meta.get("custom") or {})
+    custom["tags"] = tuple(custom.get("tags", ())) + (tag,)
+    node.meta["custom"] = custom
+
+
+def view_group(full_in: list[int], full_out: list[int], dim: int):
+    """(input dims, output dims) of the group holding input dim `dim` in a view, or None.
+
+    Groups of input and output dims with equal products are matched left to right."""
     i = j = 0
     while i < len(full_in) and j < len(full_out):
         gi, gj = [i], [j]
@@ -474,11 +484,22 @@ def _view_dim(full_in: list[int], full_out: list[int], dim: int) -> int | None:
                 gj.append(j)
                 pj *= full_out[j]
         if dim in gi:
-            lead_in = next((d for d in gi if full_in[d] != 1), None)
-            lead_out = next((d for d in gj if full_out[d] != 1), None)
-            return lead_out if lead_in == dim else None
+            return gi, gj
         i, j = i + 1, j + 1
     return None
+
+
+def _view_dim(full_in: list[int], full_out: list[int], dim: int) -> int | None:
+    """The output dim that carries input dim `dim`'s shard through a view, or None: the
+    shard survives if `dim` is the leading non-1 dim of its group (`view_group`), and goes
+    to the leading non-1 output dim of the same group."""
+    group = view_group(full_in, full_out, dim)
+    if group is None:
+        return None
+    gi, gj = group
+    lead_in = next((d for d in gi if full_in[d] != 1), None)
+    lead_out = next((d for d in gj if full_out[d] != 1), None)
+    return lead_out if lead_in == dim else None
 
 
 def shard_tp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
@@ -493,18 +514,28 @@ def shard_tp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
         return gm
     sharder = _Sharder(gm, ctx)
     sharder.run()
-    fake_mode = torch._guards.detect_fake_mode(
-        [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")])
-    fake_inputs = []
     for node in gm.graph.find_nodes(op="placeholder"):
-        value = node.meta["val"]
         dim = sharder.param_dim.get(node)
         if isinstance(dim, int):
             node.meta["tp_shard_dim"] = dim
             if node in sharder.blocks:
                 node.meta["tp_blocks"] = sharder.blocks[node]
+    return repropagate(gm, {node: (dim, sharder.tp) for node, dim in sharder.param_dim.items()
+                            if isinstance(dim, int)})
+
+
+def repropagate(gm: GraphModule, shards: dict) -> GraphModule:
+    """Lint, recompile and re-run fake propagation on `gm` after a sharding pass, with the
+    placeholders in `shards` (node -> (dim, parts)) at their local shape."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    fake_mode = torch._guards.detect_fake_mode([n.meta["val"] for n in placeholders])
+    fake_inputs = []
+    for node in placeholders:
+        value = node.meta["val"]
+        if node in shards:
+            dim, parts = shards[node]
             shape = list(value.shape)
-            shape[dim] //= sharder.tp
+            shape[dim] //= parts
             with fake_mode:
                 value = torch.empty(shape, dtype=value.dtype, device=value.device)
         fake_inputs.append(value)
