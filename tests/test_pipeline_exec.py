@@ -118,11 +118,14 @@ def test_microbatches_without_pp():
 
 @pytest.mark.parametrize("model_name", ["llama-tiny", "moe-tiny", "gpt-tiny"])
 def test_tp2(model_name):
-    run_ranks(2, check_plan, model_name, dict(tp=2), 2)
+    # MoE at lr 1e-3: at 1e-2 two AdamW steps turn summation-order differences into a
+    # different top-k choice for some token (a discrete change, not a sharding error)
+    run_ranks(2, check_plan, model_name, dict(tp=2), 3, 8, 16, None,
+              1e-3 if model_name == "moe-tiny" else 1e-2)
 
 
 def test_tp2_dp2_llama():
-    run_ranks(4, check_plan, "llama-tiny", dict(tp=2), 2)
+    run_ranks(4, check_plan, "llama-tiny", dict(tp=2), 3)
 
 
 def test_pp2_tp2_llama():
