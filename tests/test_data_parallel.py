@@ -142,7 +142,7 @@ def test_pp2_dp2_zero1_gpt_tied_embeddings():
               dict(pp=2, schedule="zbh1", micro_batches=2, zero1=True, bucket_mb=0.25), 2, 4)
 
 
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=1, deadline=None)
 @given(dim=st.sampled_from([32, 48]), heads=st.sampled_from([2, 4]),
        kv_ratio=st.sampled_from([1, 2]), layers=st.integers(1, 2),
        seq=st.integers(5, 16), bucket_mb=st.sampled_from([0.01, 0.05, 25.0]))

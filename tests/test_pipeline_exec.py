@@ -104,10 +104,6 @@ def test_pp4_1f1b_llama():
               2)
 
 
-def test_dp2_llama():
-    run_ranks(2, check_plan, "llama-tiny", dict(dp=2))
-
-
 def test_pp2_dp2_gpt_tied_embeddings():
     run_ranks(4, check_plan, "gpt-tiny", dict(pp=2, schedule="zbh1", micro_batches=2), 2)
 

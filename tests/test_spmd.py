@@ -40,18 +40,23 @@ def test_cp2(model_name):
     run_ranks(2, check_models, [(model_name, dict(cp=2), MODEL_KWARGS.get(model_name))])
 
 
-def test_cp2_tp2_llama_with_and_without_sequence_parallel():
-    run_ranks(4, check_models, [(LLAMA, dict(cp=2, tp=2), None),
-                                (LLAMA, dict(cp=2, tp=2, sequence_parallel=True), None)])
+def test_cp2_tp2_llama_with_sequence_parallel():
+    # cp2 x tp2 without SP: the drawn config below (one step)
+    run_ranks(4, check_models, [(LLAMA, dict(cp=2, tp=2, sequence_parallel=True), None)])
 
 
 def test_cp2_dp2_gpt():
     run_ranks(4, check_models, [("gpt-tiny", dict(cp=2), None)])
 
 
-LAYOUTS = {"tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
+LAYOUTS = {"tp2": (2, dict(tp=2)),
+           "dp2": (2, dict()),
+           "tp2xdp2": (4, dict(tp=2)),
+           "tp2-sp": (2, dict(tp=2, sequence_parallel=True)),
            "cp2": (2, dict(cp=2)),
            "cp2xtp2": (4, dict(cp=2, tp=2))}
+"""Layouts with a drawn llama config each (dp2 + zero1: tests/test_data_parallel.py; ep2:
+tests/test_expert_parallel.py, drawn MoE configs)."""
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
