@@ -149,6 +149,8 @@ def test_empty_layer_padding_5_layers_pp2_vpp2():
 def _every_schedule_pp4(rank, world, model_name):
     extra = {"expert_impl": "grouped_mm"} if model_name == "moe-tiny" else {}
     for schedule, vpp in SCHEDULES:
+        if model_name == "moe-tiny" and schedule in ("gpipe", "1f1b"):
+            continue  # at pp=4 on llama, and on moe at pp=2 (suite time)
         micro = 8 if schedule == "dualpipev" else 4  # DualPipeV needs 2 * pp
         check_plan(rank, world, model_name,
                    dict(pp=4, vpp=vpp, schedule=schedule, micro_batches=micro), 1, 8, 16,
