@@ -1,18 +1,12 @@
 """The fusion pass on the llama, moe and gpt tiny presets: every occurrence of each pattern is
 fused (counted against the model's structure), and training with fusion on matches fusion off.
 
-About the bounds: the fused ops round differently from the ATen ops they replace (fp32 math,
-one rounding), so on vs off is not bitwise. The loss and the gradient as a whole agree within
-1e-6. A few gradients of the tiny presets are ill-conditioned: eager fp32 itself is ~1.05e-6
-away from fp64 on the last layer's wq/wk gradient, so for a single parameter the test also
-accepts an error within twice unfused fp32's own error (measured against an fp64 run). After
-AdamW steps, fp32 training drifts from fp64 by ~2e-5 (Adam's normalisation amplifies the
-rounding of near-zero gradient elements), so parameters after 3 steps are checked to stay within
-4x the unfused run's own distance from fp64 (measured: 1.25x llama-tiny, 3.2x gpt-tiny, where
-the last layer's q bias, whose gradient is tiny, moves most), and the losses of steps 2 and 3 within 5e-6
-(measured: up to 1.1e-6 on gpt-tiny, whose unfused fp32 loss is itself 2.7e-7 from fp64).
-GPT's key biases are frozen: their gradient is 0 in exact arithmetic (softmax ignores a
-per-row shift), so in fp32 it is pure rounding noise that AdamW turns into +-lr steps.
+Bound: 1e-6 relative (the issue's), on the loss of each of 3 AdamW steps (lr 1e-2), on every
+gradient of each step and on the parameters after them, fp32, dropout off. Measured: equal bit
+for bit. On the CPU the fused ops run references that make eager autograd's own ATen calls in
+its order (``mxgraph/codegen/kernels/__init__.py``), and the joint pass ``fuse_residual_grad``
+adds a residual gradient inside the norm backward, where eager adds it; before both, fused
+gradients were ~1e-7 off and AdamW amplified that to 1e-4 in three steps.
 """
 from __future__ import annotations
 
@@ -53,16 +47,6 @@ def moe_counts(cfg, moe_layers: int) -> dict:
             "moe_permute": 2 * moe_layers * (cfg.capacity_factor is None)}
 
 
-def _frozen_key_biases(model) -> None:
-    for name, p in model.named_parameters():
-        if name.endswith("attn.wk.bias"):
-            p.requires_grad_(False)
-
-
-def _grads(model):
-    return {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
 def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().double().flatten() for t in tensors])
 
@@ -76,33 +60,20 @@ def test_preset_fusion_counts_and_parity(name, overrides, tmp_path):
     """Fusion on vs off (= eager: tests/test_compile.py holds the unfused step to it)."""
     torch.manual_seed(0)
     model = models.build_model(name, **overrides)
-    _frozen_key_biases(model)
-    unfused, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    unfused = copy.deepcopy(model)
     args = batch(vocab=model.config.vocab_size, seq_len=16)
     on = mx.compile(model, mx.Plan(fusion=True, dump_dir=str(tmp_path)))
-    params = lambda m: [p for p in m.parameters() if p.requires_grad]  # noqa: E731
-    opts = [torch.optim.AdamW(params(m), lr=1e-2) for m in (model, unfused, exact)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, unfused)]
     for i in range(3):
-        loss_on, loss_off, loss_exact = on(*args), unfused(*args), exact(*args)
+        loss_on, loss_off = on(*args), unfused(*args)
         loss_off.backward()
-        loss_exact.backward()
-        err, own = rel_err(loss_on, loss_off), rel_err(loss_off, loss_exact)
-        if i == 0:
-            assert err <= TOL, (loss_on.item(), loss_off.item())
-            g_on, g_off, g_exact = _grads(model), _grads(unfused), _grads(exact)
-            assert rel_err(_flat(g_on.values()), _flat(g_off.values())) <= TOL
-            for key in g_on:
-                err = rel_err(g_on[key], g_off[key])
-                own = rel_err(g_off[key], g_exact[key])
-                assert err <= TOL or rel_err(g_on[key], g_exact[key]) <= 2 * own, (key, err, own)
-        else:  # after AdamW steps the parameters differ by fp32 drift (see module docstring)
-            assert err <= 5 * TOL or rel_err(loss_on, loss_exact) <= 2 * own, (i, err, own)
+        assert rel_err(loss_on, loss_off) <= TOL, (i, loss_on.item(), loss_off.item())
+        for (key, p), q in zip(model.named_parameters(), unfused.parameters()):
+            assert rel_err(p.grad, q.grad) <= TOL, (i, key, rel_err(p.grad, q.grad))
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    drift_on = rel_err(_flat(params(model)), _flat(params(exact)))
-    drift_off = rel_err(_flat(params(unfused)), _flat(params(exact)))
-    assert drift_on <= max(4 * drift_off, TOL), (drift_on, drift_off)
+    assert rel_err(_flat(model.parameters()), _flat(unfused.parameters())) <= TOL
     expected = {k: v for k, v in expected_counts(name, model.config).items() if v}
     assert dump_counts(tmp_path) == expected
 
@@ -190,3 +161,26 @@ def test_a_refused_rewrite_leaves_the_graph_as_it_was():
         assert Refused().apply(Rewriter(gm)) == 0
     gm.graph.lint()
     assert gm.recompile() is not None and gm.code == before and not fused_counts(gm)
+
+
+@pytest.mark.parametrize("disabled", [(), ("fuse_residual_grad",)], ids=["folded", "pass off"])
+def test_residual_gradient_goes_into_the_norm_backward(disabled):
+    """The first layer's norm reads the embedding, which the residual stream also carries: its
+    gradient sum is folded into `rmsnorm_backward` (its `grad_residual`), unless the pass is off."""
+    torch.manual_seed(0)
+    model = models.build_model("llama-tiny", n_layers=1)
+    step = mx.compile(model, mx.Plan(fusion="rmsnorm", disable_passes=disabled))
+    step(*batch(seq_len=8))
+    gm = next(iter(step._compiled.values())).joint.gm
+    norms = [n for n in gm.graph.nodes if n.target is torch.ops.mxgraph.rmsnorm_backward.default]
+    added = [n for n in norms if any(u.args[1] == 0 and any(v.target is torch.ops.aten.add.Tensor
+                                                            for v in u.users) for u in n.users)]
+    with_residual = [n for n in norms if len(n.args) > 4 and n.args[4] is not None]
+    # attn_norm (plain, reads the embedding), mlp_norm (add_rmsnorm: grad_residual is the final
+    # norm's gradient) and the final norm (add_rmsnorm whose new residual is unused: None);
+    # pass off: the embedding's gradient is add(mlp_norm's, attn_norm's)
+    assert len(norms) == 3
+    if disabled:
+        assert len(added) == 2 and len(with_residual) == 1
+    else:
+        assert not added and len(with_residual) == 2

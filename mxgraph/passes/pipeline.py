@@ -11,6 +11,7 @@ from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass
 from mxgraph.passes.offload import offload_pass
 from mxgraph.passes.remat import remat_pass
 from mxgraph.passes.fuse import fuse_pass
+from mxgraph.passes.fuse_grad import fuse_residual_grad_pass
 from mxgraph.passes.runner import PassSpec
 from mxgraph.passes.shard_ep import shard_ep_pass
 from mxgraph.passes.shard_cp import shard_cp_pass
@@ -33,6 +34,9 @@ FORWARD_PASSES = [
 JOINT_PASSES = [
     PassSpec("remove_noop_joint", remove_noop_pass, "joint",
              "AOTAutograd leaves detach nodes for saved values; drop them before analyses"),
+    PassSpec("fuse_residual_grad", fuse_residual_grad_pass, "joint",
+             "after autograd: only the joint graph shows a residual gradient added to a fused "
+             "norm's backward; before remat, which then sees the final backward"),
     PassSpec("remat", remat_pass, "joint",
              "first memory pass: decides saved vs recomputed before offload moves what is saved"),
     PassSpec("offload", offload_pass, "joint",

@@ -5,6 +5,15 @@ backward alike, e.g. ``"swiglu"`` and ``"swiglu_backward"``) to a :class:`Kernel
 overload, its plain-torch reference and its Triton implementation. The op itself runs the
 Triton implementation on ``cuda`` tensors (MXMACA included) and the reference elsewhere.
 
+The references compute, in fp32, what eager torch computes for the pattern's textbook form:
+a forward reference makes the same ATen calls as that form (``F.silu(a) * b``, ``F.gelu(x +
+bias)``, ``F.scaled_dot_product_attention`` on repeated K/V, ``log_softmax`` + ``nll_loss``...)
+and a backward reference makes the calls eager autograd makes for it (``aten.silu_backward``,
+``aten._softmax_backward_data``, the rsqrt/mean/pow chain of RMSNorm...), summing in the same
+order. So on the CPU, fusing a model written in those forms changes no bit of its loss, its
+gradients or its training (``tests/test_fuse.py``); a model written another way differs by
+rounding only. The Triton kernels match the references within the tolerances their tests state.
+
 Each forward op has a fake implementation and an autograd formula whose backward is the
 fused ``*_backward`` op (itself with reference, Triton and fake implementations):
 

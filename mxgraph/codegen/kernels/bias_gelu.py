@@ -10,9 +10,8 @@ bias gradient takes ``bias``'s dtype).
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -20,9 +19,6 @@ from torch import Tensor
 from mxgraph.codegen.kernels import _common
 
 BLOCK = 1024
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 def _check(approximate: str) -> None:
@@ -33,23 +29,13 @@ def _check(approximate: str) -> None:
 # --------------------------------------------------------------------------- reference
 def bias_gelu_reference(x: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     _check(approximate)
-    h = x.float() + bias.float()
-    if approximate == "tanh":
-        y = 0.5 * h * (1 + torch.tanh(_SQRT_2_OVER_PI * (h + 0.044715 * h * h * h)))
-    else:
-        y = 0.5 * h * (1 + torch.erf(h * _INV_SQRT_2))
-    return y.to(x.dtype)
+    return F.gelu(x.float() + bias.float(), approximate=approximate).to(x.dtype)
 
 
 def bias_gelu_backward_reference(grad: Tensor, x: Tensor, bias: Tensor, approximate: str = "none"):
+    """The ATen calls eager autograd makes for ``F.gelu(x + bias)`` (see ``_common``)."""
     _check(approximate)
-    h = x.float() + bias.float()
-    if approximate == "tanh":
-        t = torch.tanh(_SQRT_2_OVER_PI * (h + 0.044715 * h * h * h))
-        d = 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * h * h)
-    else:
-        d = 0.5 * (1 + torch.erf(h * _INV_SQRT_2)) + h * torch.exp(-0.5 * h * h) * _INV_SQRT_2PI
-    dx = grad.float() * d
+    dx = torch.ops.aten.gelu_backward(grad.float(), x.float() + bias.float(), approximate=approximate)
     return dx.to(x.dtype), _common.sum_to_last_dim(dx).to(bias.dtype)
 
 

@@ -15,7 +15,10 @@ Triton: a flash-attention forward (online softmax, one program per query block a
 and a flash backward in two kernels with no atomics: one program per key block and kv head
 accumulates dK/dV over every query head of its group and every query block; one program per
 query block and head accumulates dQ. ``delta = rowsum(dO * O) - grad_lse`` is computed in
-torch first. The reference never repeats K/V either: it broadcasts a group axis.
+torch first. The reference on the CPU runs eager SDPA's own kernels on K/V repeated to every
+query head (bitwise what the unfused model computes); with a gradient for ``lse`` (context
+parallelism merges partial attentions through it) or off the CPU it writes the softmax out
+over a broadcast group axis, K/V never repeated.
 """
 
 from __future__ import annotations
@@ -56,8 +59,25 @@ def _scores(q, k, causal, scale):
     return qg, s
 
 
+def _repeated(t: Tensor, hq: int) -> Tensor:
+    b, hkv, sk, d = t.shape
+    return t.float()[:, :, None].expand(b, hkv, hq // hkv, sk, d).reshape(b, hq, sk, d)
+
+
+def _eager_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
+    """What ``F.scaled_dot_product_attention`` runs on the CPU for K/V repeated to every query head."""
+    hq = q.shape[1]
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.float(), _repeated(k, hq), _repeated(v, hq), 0.0, causal, attn_mask=None, scale=scale)
+
+
 def gqa_attention_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
+    """On the CPU, eager SDPA's own kernel on repeated K/V (see ``_common``); elsewhere a softmax
+    over a broadcast group axis, K/V never repeated."""
     b, hq, hkv, sq, sk, d = _check(q, k, v)
+    if q.device.type == "cpu":
+        out, lse = _eager_attention(q, k, v, causal, scale)
+        return out.to(q.dtype), lse
     _, s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.exp(s - lse[..., None]) @ v.float()[:, :, None]
@@ -66,8 +86,16 @@ def gqa_attention_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale
 
 def gqa_attention_backward_reference(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
                                      out: Tensor, lse: Tensor, causal: bool, scale: float):
+    """On the CPU without a gradient for ``lse``, eager SDPA's backward kernel on repeated K/V,
+    summed over each group; otherwise the softmax Jacobian written out."""
     b, hq, hkv, sq, sk, d = _check(q, k, v)
     g = hq // hkv
+    if q.device.type == "cpu" and grad_lse is None:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.float(), q.float(), _repeated(k, hq), _repeated(v, hq), out.float(), lse, 0.0, causal,
+            attn_mask=None, scale=scale)
+        group_sum = lambda t: t.reshape(b, hkv, g, sk, d).sum(2)  # noqa: E731
+        return dq.to(q.dtype), group_sum(dk).to(k.dtype), group_sum(dv).to(v.dtype)
     qg, s = _scores(q, k, causal, scale)
     p = torch.exp(s - lse.view(b, hkv, g, sq)[..., None])
     do = grad_out.float().view(b, hkv, g, sq, d)
@@ -288,6 +316,7 @@ def _setup(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.scale = causal, scale
+    ctx.set_materialize_grads(False)  # an unused lse gets None, not zeros: the cheaper backward
 
 
 def _bwd(ctx, grad_out, grad_lse):

@@ -21,6 +21,7 @@ The reference does the same chunking in fp32 torch.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -36,6 +37,9 @@ def _check(x: Tensor, weight: Tensor, targets: Tensor, chunk_size: int) -> None:
         raise ValueError(f"linear_cross_entropy: chunk_size must be positive, got {chunk_size}")
 
 
+_MEAN = 1  # ATen's reduction code for "mean"
+
+
 def _chunks(n: int, chunk_size: int):
     return [(s, min(s + chunk_size, n)) for s in range(0, n, chunk_size)]
 
@@ -49,28 +53,27 @@ def linear_cross_entropy_reference(x: Tensor, weight: Tensor, targets: Tensor, c
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     for s, e in _chunks(x.shape[0], chunk_size):
         logits = x[s:e].float() @ w32.T
-        t = targets[s:e]
-        valid = t != ignore_index
         lse[s:e] = torch.logsumexp(logits, dim=-1)
-        picked = logits.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
-        total = total + torch.where(valid, lse[s:e] - picked, 0.0).sum()
+        logp = F.log_softmax(logits, dim=-1)
+        total = total + F.nll_loss(logp, targets[s:e], ignore_index=ignore_index, reduction="sum")
     return total / (targets != ignore_index).sum(), lse
 
 
 def linear_cross_entropy_backward_reference(grad_loss: Tensor, x: Tensor, weight: Tensor, targets: Tensor,
                                             lse: Tensor, chunk_size: int, ignore_index: int = -100):
+    """Per chunk, the ATen calls eager autograd makes for ``F.cross_entropy(x @ weight.T, targets)``
+    (see ``_common``); with one chunk, the same result bit for bit."""
     _check(x, weight, targets, chunk_size)
     w32 = weight.float()
-    scale = grad_loss.float() / (targets != ignore_index).sum()
+    grad = grad_loss.float()
+    n_valid = (targets != ignore_index).sum().float()
     dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
     for s, e in _chunks(x.shape[0], chunk_size):
         x32 = x[s:e].float()
-        t = targets[s:e]
-        valid = t != ignore_index
-        probs = torch.exp(x32 @ w32.T - lse[s:e, None])
-        probs[torch.arange(e - s, device=x.device), torch.where(valid, t, 0)] -= 1.0
-        dlogits = torch.where(valid[:, None], probs * scale, 0.0)
+        logp = F.log_softmax(x32 @ w32.T, dim=-1)
+        grad_logp = torch.ops.aten.nll_loss_backward(grad, logp, targets[s:e], None, _MEAN, ignore_index, n_valid)
+        dlogits = torch.ops.aten._log_softmax_backward_data(grad_logp, logp, 1, torch.float32)
         dx[s:e] = dlogits @ w32
         dw += dlogits.T @ x32
     return dx.to(x.dtype), dw.to(weight.dtype)

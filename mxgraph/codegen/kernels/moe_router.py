@@ -95,17 +95,18 @@ def moe_router_reference(logits: Tensor, expert_bias: Tensor | None, topk: int, 
 
 def moe_router_backward_reference(grad_probs: Tensor, logits: Tensor, topk_ids: Tensor, score_func: str = "softmax",
                                   normalize: bool = False, route_scale: float = 1.0) -> Tensor:
+    """The ATen calls eager autograd makes for steps 1, 4 and the scaling (see ``_common``)."""
     scores = _scores(logits, score_func)
-    s_sel = scores.gather(1, topk_ids)
     g = grad_probs.float() * route_scale
     if normalize:
+        s_sel = scores.gather(1, topk_ids)
         z = s_sel.sum(-1, keepdim=True) + _NORM_EPS
-        g = g / z - (g * s_sel).sum(-1, keepdim=True) / (z * z)
+        g = g / z + (-g * ((s_sel / z) / z)).sum(-1, keepdim=True)
     g_scores = torch.zeros_like(scores).scatter_add_(1, topk_ids, g)
     if score_func == "softmax":
-        d = scores * (g_scores - (g_scores * scores).sum(-1, keepdim=True))
+        d = torch.ops.aten._softmax_backward_data(g_scores, scores, -1, torch.float32)
     else:
-        d = g_scores * scores * (1 - scores)
+        d = torch.ops.aten.sigmoid_backward(g_scores, scores)
     return d.to(logits.dtype)
 
 

@@ -38,13 +38,17 @@ def add_rmsnorm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: floa
 
 def rmsnorm_backward_reference(grad_y: Tensor, h: Tensor, weight: Tensor, rstd: Tensor,
                                grad_residual: Tensor | None = None):
-    h32, g = h.float(), grad_y.float()
-    hhat = h32 * rstd[..., None]
-    wg = g * weight.float()
-    dh = rstd[..., None] * (wg - hhat * (wg * hhat).mean(-1, keepdim=True))
+    """The ATen calls eager autograd makes for ``h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    * weight`` (see ``_common``), the residual's gradient arriving first."""
+    h32, g, r = h.float(), grad_y.float(), rstd[..., None]
+    grad_t = g * weight.float()
+    dw = (g * (h32 * r)).reshape(-1, h.shape[-1]).sum(0)
+    direct = grad_t * r
+    grad_rstd = (grad_t * h32).sum(-1, keepdim=True)
+    grad_mean = (-0.5 * grad_rstd * r.pow(3)).expand(h.shape) / h.shape[-1]
     if grad_residual is not None:
-        dh = dh + grad_residual.float()
-    dw = (g * hhat).reshape(-1, h.shape[-1]).sum(0)
+        direct = grad_residual.float() + direct
+    dh = direct + grad_mean * (2.0 * h32)
     return dh.to(h.dtype), dw.to(weight.dtype)
 
 
@@ -200,10 +204,13 @@ def _add_rmsnorm_setup(ctx, inputs, output):
     ctx.save_for_backward(h, weight, rstd)
     ctx.mark_non_differentiable(rstd)
     ctx.x_dtype = x.dtype
+    ctx.set_materialize_grads(False)  # an unused new_residual (the final norm's) gets None, not zeros
 
 
 def _add_rmsnorm_bwd(ctx, grad_y, grad_h, _grad_rstd):
     h, weight, rstd = ctx.saved_tensors
+    if grad_y is None:
+        grad_y = torch.zeros_like(h)
     dh, dw = torch.ops.mxgraph.rmsnorm_backward(grad_y, h, weight, rstd, grad_h)
     return dh.to(ctx.x_dtype), dh, dw, None
 

@@ -13,6 +13,7 @@ take ``a``'s dtype (bias gradients take the bias dtype).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -33,17 +34,18 @@ def _biased(a: Tensor, b: Tensor, bias_a: Tensor | None, bias_b: Tensor | None):
 
 def swiglu_reference(a: Tensor, b: Tensor, bias_a: Tensor | None = None, bias_b: Tensor | None = None) -> Tensor:
     a32, b32 = _biased(a, b, bias_a, bias_b)
-    return (a32 * torch.sigmoid(a32) * b32).to(a.dtype)
+    return (F.silu(a32) * b32).to(a.dtype)
 
 
 def swiglu_backward_reference(grad: Tensor, a: Tensor, b: Tensor, bias_a: Tensor | None = None,
                               bias_b: Tensor | None = None):
-    """Returns (grad_a, grad_b) or, with biases, (grad_a, grad_b, grad_bias_a, grad_bias_b)."""
+    """Returns (grad_a, grad_b) or, with biases, (grad_a, grad_b, grad_bias_a, grad_bias_b).
+
+    The ATen calls eager autograd makes for ``F.silu(a) * b`` (see ``_common``)."""
     a32, b32 = _biased(a, b, bias_a, bias_b)
     g = grad.float()
-    sig = torch.sigmoid(a32)
-    da = g * b32 * sig * (1 + a32 * (1 - sig))
-    db = g * a32 * sig
+    da = torch.ops.aten.silu_backward(g * b32, a32)
+    db = g * F.silu(a32)
     if bias_a is None:
         return da.to(a.dtype), db.to(b.dtype)
     return (da.to(a.dtype), db.to(b.dtype), _common.sum_to_last_dim(da).to(bias_a.dtype),
