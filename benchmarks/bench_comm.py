@@ -200,12 +200,11 @@ def megatron_terms(config, plan, batch: int, seq: int, dtype) -> list[Term]:
                  "L_moe·E·8: per MoE layer, the per-expert row counts (int64)"),
         ]
     dense, expert = local_param_bytes(config, plan, dtype)
-    if plan.cp > 1:  # Megatron reduces gradients over dp x cp at once: the same bytes
-        terms.append(Term("cp", "all_reduce", dense + expert,
-                          "P·e: the step sums this rank's parameter gradients over cp"))
-    groups = [("dp", dense + (expert if plan.ep == 1 else 0), dp)]
+    # with cp > 1 gradients reduce over dp x cp at once (as Megatron-LM), summing the sequence parts
+    cp, suffix = plan.cp, "_cp" if plan.cp > 1 else ""
+    groups = [("dp" + suffix, dense + (expert if plan.ep == 1 else 0), dp * cp)]
     if plan.ep > 1:
-        groups.append(("edp", expert, dp // plan.ep))
+        groups.append(("edp" + suffix, expert, dp // plan.ep * cp))
     for axis, grads, size in groups:
         if size == 1 or not grads:
             continue
@@ -270,18 +269,18 @@ def part1(args) -> list[dict]:
 
 def print_part1(results: list[dict]) -> list[str]:
     """Print the table; returns the descriptions of the rows that differ."""
-    print(f"{'model':<17} {'plan':<14} {'axis':<4} {'kind':<15} {'graph MiB':>12} "
+    print(f"{'model':<17} {'plan':<14} {'axis':<6} {'kind':<15} {'graph MiB':>12} "
           f"{'formula MiB':>12} {'ratio':>7}  status")
     differ = []
     for r in results:
         head = f"{r['model']:<17} {r['plan']:<14}"
         if "not_built" in r:
-            print(f"{head} {'-':<4} {'-':<15} {'':>12} {'':>12} {'':>7}  not built "
+            print(f"{head} {'-':<6} {'-':<15} {'':>12} {'':>12} {'':>7}  not built "
                   f"({', '.join(r['not_built'])})")
             continue
         for row in r["rows"]:
             status = "ok" if row["ok"] else "DIFFERS"
-            print(f"{head} {row['axis']:<4} {row['kind']:<15} {row['graph_bytes'] / _MiB:>12.2f} "
+            print(f"{head} {row['axis']:<6} {row['kind']:<15} {row['graph_bytes'] / _MiB:>12.2f} "
                   f"{row['formula_bytes'] / _MiB:>12.2f} {_ratio(row['ratio']):>7}  {status}")
             if not row["ok"]:
                 differ.append(f"{r['model']} {r['plan']} {row['axis']} {row['kind']}: graph "

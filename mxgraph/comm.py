@@ -12,9 +12,9 @@ Everything is read from what the compiler produced, not from formulas:
   once per execution); phase from the node's `partitioner_tag`. With pipelining or
   micro-batches, in each stage's F/B/W programs, once per action this rank's schedule runs.
 * **runtime** collectives (phase "runtime") that `Step` runs outside the graphs: the
-  sum of parameter gradients over cp (one all-reduce per dtype); the data-parallel reduction,
-  one collective per gradient bucket as `runtime/data_parallel.py` lays out this rank's
-  parameters (an all-reduce over dp, expert buckets over edp; with `zero1` a
+  data-parallel reduction, one collective per gradient bucket as `runtime/data_parallel.py`
+  lays out this rank's parameters (an all-reduce over dp, expert buckets over edp; with
+  cp > 1 over dp_cp and edp_cp, summing the sequence parts too; with `zero1` a
   reduce-scatter of the gradients plus an all-gather of the updated parameters), and of
   the loss; with pp > 1 the p2p sends of stage boundary values (kind "send"; receives
   are the peers' sends), the loss broadcast and the all-reduce of parameters held by
@@ -38,7 +38,7 @@ from mxgraph.cost import concrete, schema_arg, tensor_meta
 from mxgraph.runtime.collectives import KIND, VOLUME
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
-AXIS_ORDER = ("tp", "cp", "ep", "dp", "edp", "pp")
+AXIS_ORDER = ("tp", "cp", "ep", "dp", "edp", "dp_cp", "edp_cp", "pp")
 PHASES = ("forward", "backward", "runtime")  # runtime: by Step, outside the graphs
 _MiB = 2 ** 20
 
@@ -97,13 +97,13 @@ class CommReport:
                 for axis, kind in ordered]
 
     def table(self) -> str:
-        header = (f"{'axis':<5} {'kind':<15} {'calls':>6} {'forward':>12} {'backward':>12} "
+        header = (f"{'axis':<6} {'kind':<15} {'calls':>6} {'forward':>12} {'backward':>12} "
                   f"{'runtime':>12} {'total':>12}   (MiB per rank per step)")
         lines = [header]
         for row in self.rows():
-            lines.append(f"{row['axis']:<5} {row['kind']:<15} {row['calls']:>6} " +
+            lines.append(f"{row['axis']:<6} {row['kind']:<15} {row['calls']:>6} " +
                          " ".join(f"{row[k] / _MiB:>12.2f}" for k in PHASES + ("total",)))
-        lines.append(f"{'all':<5} {'':<15} {len(self.entries):>6} " +
+        lines.append(f"{'all':<6} {'':<15} {len(self.entries):>6} " +
                      " ".join(f"{self.total(phase=p) / _MiB:>12.2f}" for p in PHASES) +
                      f" {self.total() / _MiB:>12.2f}")
         worst = sum(e.worst_case for e in self.entries)
@@ -191,9 +191,10 @@ def graph_entries(gm: torch.fx.GraphModule, mesh, phase: str | None = None,
 def data_parallel_entries(step) -> list[CommEntry]:
     """The data-parallel reduction `Step` runs after the graph, one collective per
     gradient bucket of this rank's parameters (`runtime/data_parallel.py`: expert
-    buckets over "edp", others over "dp"): an all-reduce of the padded bucket, or with
-    zero1 its reduce-scatter plus the all-gather of the updated parameters."""
-    if step.mesh.sizes["dp"] == 1:
+    buckets over "edp", others over "dp"; "edp_cp" and "dp_cp" with cp > 1): an all-reduce
+    of the padded bucket, or with zero1 its reduce-scatter plus the all-gather of the
+    updated parameters."""
+    if step.mesh.sizes["dp_cp"] == 1:
         return []
     entries = []
     for i, bucket in enumerate(step._data_parallel().buckets):
@@ -209,32 +210,14 @@ def data_parallel_entries(step) -> list[CommEntry]:
     return entries
 
 
-def context_parallel_entries(step, grad_names: list[str]) -> list[CommEntry]:
-    """With cp > 1 `Step` sums every parameter gradient over the CP group (each rank's
-    covers its part of the sequence: passes/shard_cp.py), one all-reduce per dtype of the
-    gradients flattened together."""
-    if step.mesh.sizes["cp"] == 1:
-        return []
-    params = dict(step.model.named_parameters(remove_duplicate=False))
-    by_dtype: dict[torch.dtype, int] = {}
-    for name in dict.fromkeys(grad_names):
-        by_dtype[params[name].dtype] = (by_dtype.get(params[name].dtype, 0)
-                                        + tensor_bytes(params[name]))
-    return [CommEntry("cp", "all_reduce", "runtime", moved, f"gradients ({dtype})")
-            for dtype, moved in by_dtype.items()]
-
-
-def _joint_entries(step, compiled, unbacked) -> tuple[list[CommEntry], int, list[str]]:
-    """Graph entries, loss bytes and parameters with a gradient of a single-graph step."""
+def _joint_entries(step, compiled, unbacked) -> tuple[list[CommEntry], int]:
+    """Graph entries and loss bytes of a single-graph step."""
     joint = compiled.joint
     outputs = joint.gm.graph.find_nodes(op="output")[0].args[0]
-    grads = [slot.key for slot, node in zip(joint.grad_of, outputs[joint.num_forward_outputs:])
-             if slot is not None and slot.kind == "param" and node is not None]
-    return (graph_entries(joint.gm, step.mesh, None, unbacked),
-            tensor_bytes(outputs[0].meta.get("val")), grads)
+    return graph_entries(joint.gm, step.mesh, None, unbacked), tensor_bytes(outputs[0].meta.get("val"))
 
 
-def _pipeline_entries(step, executor, unbacked) -> tuple[list[CommEntry], int, list[str]]:
+def _pipeline_entries(step, executor, unbacked) -> tuple[list[CommEntry], int]:
     """Collectives of this rank's F/B/W programs once per scheduled action, its p2p
     sends, the loss broadcast and the shared-parameter all-reduce over pp."""
     from mxgraph.schedules import B, BW, F, SEND_B, SEND_F, W
@@ -263,8 +246,7 @@ def _pipeline_entries(step, executor, unbacked) -> tuple[list[CommEntry], int, l
         entries.append(CommEntry("pp", "broadcast", "runtime", loss_bytes, "loss"))
         entries += [CommEntry("pp", "all_reduce", "runtime", tensor_bytes(params[name]),
                               f"shared {name}") for name, _ in executor.shared_params]
-    grads = [name for rt in executor.stages.values() for name, _ in rt.programs.param_grads]
-    return entries, loss_bytes, grads
+    return entries, loss_bytes
 
 
 def report_of(step, compiled, unbacked=None) -> CommReport:
@@ -272,10 +254,9 @@ def report_of(step, compiled, unbacked=None) -> CommReport:
     `PipelineExecutor`), for the rank at `step.mesh.coords`; `unbacked`: see `size`."""
     from mxgraph.runtime.pipeline import PipelineExecutor
     if isinstance(compiled, PipelineExecutor):
-        entries, loss_bytes, grads = _pipeline_entries(step, compiled, unbacked)
+        entries, loss_bytes = _pipeline_entries(step, compiled, unbacked)
     else:
-        entries, loss_bytes, grads = _joint_entries(step, compiled, unbacked)
-    entries += context_parallel_entries(step, grads)
+        entries, loss_bytes = _joint_entries(step, compiled, unbacked)
     entries += data_parallel_entries(step)
     if step.mesh.sizes["dp"] > 1:
         entries.append(CommEntry("dp", "all_reduce", "runtime", loss_bytes, "loss"))

@@ -94,21 +94,7 @@ class Step:
                                                     self.plan.micro_batches))
         else:
             loss = compiled.run(self.model, flat_inputs(args, kwargs))
-        self._sum_over_context_parallel()
         return self._reduce_data_parallel(loss)
-
-    def _sum_over_context_parallel(self) -> None:
-        """With cp > 1 each rank's parameter gradients cover its part of the sequence
-        (passes/shard_cp.py): sum them over the CP group."""
-        if self.mesh.sizes["cp"] == 1:
-            return
-        grads = [p.grad for _, p in self._model_parameters() if p.grad is not None]
-        for dtype in {g.dtype for g in grads}:  # one all-reduce per dtype
-            same = [g for g in grads if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in same])
-            dist.all_reduce(flat, group=self.mesh.group("cp"))
-            for grad, part in zip(same, flat.split([g.numel() for g in same])):
-                grad.copy_(part.view_as(grad))
 
     def prepare(self, *args, **kwargs) -> None:
         """Compile for these inputs' signature without running a step (after this,
@@ -120,10 +106,12 @@ class Step:
                 write_comm_dump(self, self._compiled[key], self.contexts[-1].dump_dir)
 
     def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
-        """Average loss and gradients over the data-parallel group (gradients bucket by
-        bucket, reduce-scattered into the shards under zero1: runtime/data_parallel.py)."""
+        """Average loss and gradients over the data-parallel group, gradients summed over
+        the context-parallel one too (each rank's cover its part of the sequence:
+        passes/shard_cp.py); bucket by bucket, reduce-scattered into the shards under zero1
+        (runtime/data_parallel.py)."""
         dp = self.mesh.sizes["dp"]
-        if dp == 1 and not self.plan.zero1:
+        if self.mesh.sizes["dp_cp"] == 1 and not self.plan.zero1:
             return loss
         self._data_parallel().reduce()
         if dp == 1:

@@ -101,10 +101,12 @@ def test_context_parallel_gathers_kv_and_sums_gradients():
     kv = 2 * cfg.n_layers * B * S * cfg.n_kv_heads * (cfg.dim // cfg.n_heads) * F32
     assert rep.total("cp", "all_gather", "forward") == kv
     assert rep.total("cp", "reduce_scatter", "backward") == kv
-    # the step sums every parameter gradient over cp; the mean cross-entropy all-reduces
-    # its local sum (fp32) and token count (int64), and the sum's gradient backward
-    assert rep.total("cp", "all_reduce", "runtime") == llama_param_bytes(cfg, tp=1)
-    assert rep.total("cp", "all_reduce") - llama_param_bytes(cfg, tp=1) == 4 + 8 + 4
+    # the gradient buckets reduce over dp x cp (dp = 1 here: the sum over cp); the mean
+    # cross-entropy all-reduces its local sum (fp32) and token count (int64), and the sum's
+    # gradient backward
+    assert rep.total("dp_cp", "all_reduce", "runtime") == llama_param_bytes(cfg, tp=1)
+    assert rep.total("cp", "all_reduce") == 4 + 8 + 4
+    assert rep.total("dp", "all_reduce") == 0  # dp = 1: no loss average
 
 
 def test_pipeline_sends_per_rank():

@@ -98,7 +98,8 @@ def check_data_parallel(rank, world, model_name, plan_kwargs, steps=3, batch_siz
 def check_layout(step, min_buckets, expert_axis):
     buckets = step.data_parallel.buckets
     assert len(buckets) >= min_buckets, f"{len(buckets)} buckets, expected >= {min_buckets}"
-    assert any(b.axis == "edp" for b in buckets) == expert_axis
+    assert any(b.axis.startswith("edp") for b in buckets) == expert_axis
+    assert all(b.axis.endswith("_cp") == (step.mesh.sizes["cp"] > 1) for b in buckets)
     if step.plan.zero1:
         names = [n for n, _ in step.named_parameters()]
         assert names == [f"zero1.bucket{i}" for i in range(len(buckets))]
@@ -140,6 +141,13 @@ def test_tp2_dp2_zero1_llama():
 def test_pp2_dp2_zero1_gpt_tied_embeddings():
     run_ranks(4, check_data_parallel, "gpt-tiny",
               dict(pp=2, schedule="zbh1", micro_batches=2, zero1=True, bucket_mb=0.25), 2, 4)
+
+
+def test_cp2_dp2_zero1_gpt():
+    """Gradients reduce-scattered over dp x cp at once (a quarter of each bucket per rank):
+    the same collective averages over dp and sums the sequence halves. (cp2 with dp = 1, the
+    all-reduce over the cp pair: tests/test_spmd.py.)"""
+    run_ranks(4, check_data_parallel, "gpt-tiny", dict(cp=2, zero1=True, bucket_mb=0.25), 2, 4)
 
 
 @settings(max_examples=1, deadline=None)

@@ -45,10 +45,6 @@ def test_cp2_tp2_llama_with_sequence_parallel():
     run_ranks(4, check_models, [(LLAMA, dict(cp=2, tp=2, sequence_parallel=True), None)])
 
 
-def test_cp2_dp2_gpt():
-    run_ranks(4, check_models, [("gpt-tiny", dict(cp=2), None)])
-
-
 LAYOUTS = {"tp2": (2, dict(tp=2)),
            "dp2": (2, dict()),
            "tp2xdp2": (4, dict(tp=2)),

@@ -17,8 +17,8 @@ sequence by a view ([b, s] -> [b*s] gives (0, b)). Rules keyed by op:
 
 Gradient convention: a replicated value carries a partial gradient on each rank, so the
 replicated outputs (the loss) go through `cp_replicated` (backward / cp) and the
-parameters' gradients are summed over the CP group by the runtime (like data-parallel
-reduction). Numerics: equal to the unsharded graph up to summation order.
+parameters' gradients are summed over the CP group by the runtime, in the same bucket
+collectives as the data-parallel average (group dp x cp: `runtime/data_parallel.py`). Numerics: equal to the unsharded graph up to summation order.
 """
 from __future__ import annotations
 

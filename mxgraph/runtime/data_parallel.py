@@ -11,9 +11,11 @@ into buckets of at most `Plan.bucket_mb` MiB (a larger parameter gets a bucket o
 own), one collective per bucket. Parameters the expert-parallel pass shards over "ep"
 (their ids in `Step.expert_param_ids`) are reduced over "edp", the ranks holding the same
 experts, and never share a bucket with others (reduced over "dp"); nor do parameters of
-different dtypes. Every gradient is divided by the full dp, so that it is the gradient of
-the loss averaged over the global batch. A parameter without a gradient on this rank
-counts as zeros; after the reduction every bucketed parameter has one.
+different dtypes. With cp > 1 the groups are "dp_cp" and "edp_cp" (`runtime/mesh.py`): a
+context-parallel rank's gradient covers its part of the sequence, and the same collective
+that averages over dp sums those parts. Every gradient is divided by the full dp, so that
+it is the gradient of the loss averaged over the global batch. A parameter without a
+gradient on this rank counts as zeros; after the reduction every bucketed parameter has one.
 
 ZeRO-1 (`Plan(zero1=True)`, as Megatron-LM's distributed optimizer): each bucket is
 padded to a multiple of its group size and reduce-scattered instead of all-reduced. This
@@ -48,7 +50,8 @@ class Bucket:
     """Parameters whose gradients move in one collective, flattened in this order."""
 
     axis: str
-    """The group that reduces it: "dp", or "edp" for expert parameters."""
+    """The group that reduces it: "dp", or "edp" for expert parameters ("dp_cp", "edp_cp"
+    with cp > 1)."""
     names: list[str]
     params: list[torch.nn.Parameter]
     offsets: list[int]
@@ -79,13 +82,14 @@ class Bucket:
 
 
 def build_buckets(named_params, expert_ids: set[int], bucket_bytes: int,
-                  group_sizes: dict[str, int]) -> list[Bucket]:
-    """Split the trainable parameters into buckets (see the module docstring)."""
+                  group_sizes: dict[str, int], axes: tuple[str, str] = ("dp", "edp")) -> list[Bucket]:
+    """Split the trainable parameters into buckets (see the module docstring); `axes`: the
+    groups of other and of expert parameters."""
     buckets, open_buckets = [], {}
     for name, param in reversed(list(named_params)):
         if not param.requires_grad:
             continue
-        axis = "edp" if id(param) in expert_ids else "dp"
+        axis = axes[1] if id(param) in expert_ids else axes[0]
         members = open_buckets.setdefault((axis, param.dtype), [])
         used = sum(p.numel() for _, p in members) * param.element_size()
         if members and used + param.numel() * param.element_size() > bucket_bytes:
@@ -119,8 +123,9 @@ class DataParallel:
 
     @classmethod
     def build(cls, named_params, expert_ids: set[int], plan, mesh: Mesh) -> "DataParallel":
-        sizes = {axis: mesh.sizes[axis] for axis in ("dp", "edp")}
-        buckets = build_buckets(named_params, expert_ids, int(plan.bucket_mb * MiB), sizes)
+        axes = ("dp_cp", "edp_cp") if mesh.sizes["cp"] > 1 else ("dp", "edp")
+        sizes = {axis: mesh.sizes[axis] for axis in axes}
+        buckets = build_buckets(named_params, expert_ids, int(plan.bucket_mb * MiB), sizes, axes)
         return cls(buckets, mesh, plan.zero1)
 
     def named_shards(self):
@@ -129,8 +134,9 @@ class DataParallel:
 
     # ---- after the step -------------------------------------------------------------
     def reduce(self) -> None:
-        """Average gradients over the data-parallel ranks: all-reduce each bucket, or
-        under ZeRO-1 reduce-scatter it into its shard's `.grad` (added, like backward)."""
+        """Average gradients over the data-parallel ranks (and sum them over the context-
+        parallel ones): all-reduce each bucket, or under ZeRO-1 reduce-scatter it into its
+        shard's `.grad` (added, like backward)."""
         dp = self.mesh.sizes["dp"]
         for bucket in self.buckets:
             flat = _flat_grads(bucket)
@@ -186,14 +192,15 @@ class DataParallel:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """ZeRO-1: scale the shards' gradients so that the norm of the whole gradient is
         at most `max_norm` (as `torch.nn.utils.clip_grad_norm_`); returns that norm. The
-        squares are summed over "dp", which covers every expert shard of the "edp"
-        buckets too (dp = edp x ep)."""
+        squares are summed over "dp_cp" (= "dp" when cp = 1), which covers every shard of
+        every bucket (dp = edp x ep)."""
         grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
         if not grads:
             return torch.zeros(())
         total = sum(g.double().square().sum() for g in grads)
-        if self.mesh.sizes["dp"] > 1:
-            dist.all_reduce(total, group=self.mesh.group("dp"))
+        axis = "dp_cp" if self.mesh.sizes["cp"] > 1 else "dp"
+        if self.mesh.sizes[axis] > 1:
+            dist.all_reduce(total, group=self.mesh.group(axis))
         norm = total.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:

@@ -3,7 +3,10 @@
 Axes, outermost first: pp, dp, cp, tp (tp fastest, so a TP group sits on one node, as in
 Megatron-LM). The data-parallel axis is itself (edp, ep): `ep` neighbouring data-parallel
 ranks split the routed experts, and the `edp = dp / ep` ranks holding the same experts
-reduce their gradients together. Groups: "pp", "dp", "edp", "ep", "cp", "tp". Built with
+reduce their gradients together. With cp > 1 each rank's gradients cover its part of the
+sequence, so gradients reduce over "dp_cp" (dp x cp; "edp_cp" for experts) in one collective,
+as Megatron-LM's data-parallel-with-context group. Groups: "pp", "dp", "edp", "ep", "cp",
+"tp", and with cp > 1 "dp_cp", "edp_cp". Built with
 `torch.distributed.device_mesh.init_device_mesh`; gloo on the CPU, nccl on `cuda` (MCCL
 on MXMACA).
 """
@@ -34,8 +37,8 @@ class Mesh:
     def from_plan(cls, plan: Plan, device_type: str = "cpu") -> "Mesh":
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp = plan.resolve_dp(world)
-        sizes = {"pp": plan.pp, "dp": dp, "cp": plan.cp, "tp": plan.tp,
-                 "ep": plan.ep, "edp": dp // plan.ep}
+        sizes = _with_merged_axes({"pp": plan.pp, "dp": dp, "cp": plan.cp, "tp": plan.tp,
+                                   "ep": plan.ep})
         if world == 1:
             return cls(sizes, {axis: 0 for axis in sizes}, None)
         if not dist.is_initialized():
@@ -44,8 +47,13 @@ class Mesh:
         mesh = init_device_mesh(device_type, tuple(sizes[a] for a in MESH_AXES),
                                 mesh_dim_names=MESH_AXES)
         mesh["edp", "ep"]._flatten(mesh_dim_name="dp")
+        if sizes["cp"] > 1:  # gradient buckets reduce over the data and context ranks at once
+            mesh["edp", "ep", "cp"]._flatten(mesh_dim_name="dp_cp")
+            mesh["edp", "cp"]._flatten(mesh_dim_name="edp_cp")
         coords = dict(zip(MESH_AXES, mesh.get_coordinate()))
         coords["dp"] = coords["edp"] * sizes["ep"] + coords["ep"]
+        coords["dp_cp"] = coords["dp"] * sizes["cp"] + coords["cp"]
+        coords["edp_cp"] = coords["edp"] * sizes["cp"] + coords["cp"]
         return cls(sizes, coords, mesh)
 
     @classmethod
@@ -54,8 +62,7 @@ class Mesh:
         compiling a plan for many ranks in one process, e.g. on the meta device, to read
         its graphs (communication report, memory estimate). Steps compiled on it cannot
         run. Missing axes have size 1."""
-        sizes = {axis: sizes.get(axis, 1) for axis in AXES + ("ep",)}
-        sizes["edp"] = sizes["dp"] // sizes["ep"]
+        sizes = _with_merged_axes({axis: sizes.get(axis, 1) for axis in AXES + ("ep",)})
         return cls(sizes, {axis: 0 for axis in sizes}, None)
 
     def group(self, axis: str):
@@ -75,7 +82,7 @@ class Mesh:
         """The axis whose group is named `group_name` (the inverse of `group_name`). Should
         two axes share a group, the narrower wins: ep over dp (edp == 1), dp over edp
         (ep == 1)."""
-        for axis in ("tp", "cp", "ep", "dp", "edp", "pp"):
+        for axis in ("tp", "cp", "ep", "dp", "edp", "dp_cp", "edp_cp", "pp"):
             if self.group_name(axis) == group_name:
                 return axis
         raise KeyError(f"no axis of this mesh has the group {group_name!r}; its groups: "
@@ -88,6 +95,15 @@ class Mesh:
         for axis in AXES:
             rank = rank * self.sizes[axis] + merged[axis]
         return rank
+
+
+def _with_merged_axes(sizes: dict[str, int]) -> dict[str, int]:
+    """`sizes` plus the axes made of others: "edp" (dp / ep, the ranks holding the same
+    experts), and "dp_cp" and "edp_cp" (dp and edp times cp, over which gradients reduce)."""
+    sizes["edp"] = sizes["dp"] // sizes["ep"]
+    sizes["dp_cp"] = sizes["dp"] * sizes["cp"]
+    sizes["edp_cp"] = sizes["edp"] * sizes["cp"]
+    return sizes
 
 
 def default_device() -> torch.device:
