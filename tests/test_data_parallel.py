@@ -19,13 +19,9 @@ import mxgraph as mx
 from mxgraph.runtime.data_parallel import MiB, build_buckets
 from tests.distributed import run_ranks
 from tests.helpers import rel_err
-from tests.test_pipeline_exec import local
+from tests.test_pipeline_exec import assert_like_reference, floored_err, local
 
 LOSS_TOL, GRAD_TOL, PARAM_TOL = 1e-5, 1e-4, 1e-4
-
-
-def floored_err(mine: torch.Tensor, ref: torch.Tensor, scale: float) -> float:
-    return ((mine - ref).norm() / max(ref.norm().item(), 1e-3 * scale)).item()
 
 
 def shard_slices(step, bucket):
@@ -42,13 +38,11 @@ def shard_slices(step, bucket):
 def check_grads(step, ref_params, i):
     scale = max(p.grad.norm().item() for p in ref_params.values() if p.grad is not None)
     buckets = step.data_parallel.buckets
+    if not step.plan.zero1:
+        assert_like_reference(((n, p.grad, ref_params[n].grad, p) for b in buckets
+                               for n, p in zip(b.names, b.params)), step, scale, GRAD_TOL, f"step {i} grad")
+        return
     for bucket in buckets:
-        if not step.plan.zero1:
-            for name, param in zip(bucket.names, bucket.params):
-                ref = local(ref_params[name].grad, param.grad, step, param)
-                err = floored_err(param.grad, ref, scale)
-                assert err <= GRAD_TOL, f"step {i} {name}: grad error {err:.2e}"
-            continue
         assert all(p.grad is None for p in bucket.params), "zero1 left a model .grad"
         covered = 0
         for name, param, in_param, in_shard in shard_slices(step, bucket):
@@ -106,11 +100,11 @@ def check_layout(step, min_buckets, expert_axis):
 
 
 def check_parameters(step, ref_params, steps):
+    buckets = step.data_parallel.buckets
     scale = max(p.norm().item() for p in ref_params.values())
-    for bucket in step.data_parallel.buckets:
-        for name, param in zip(bucket.names, bucket.params):
-            err = floored_err(param, local(ref_params[name], param, step, param), scale)
-            assert err <= PARAM_TOL, f"{name} after {steps} steps: error {err:.2e}"
+    assert_like_reference(((n, p, ref_params[n], p) for b in buckets for n, p in zip(b.names, b.params)),
+                          step, scale, PARAM_TOL, f"after {steps} steps")
+    for bucket in buckets:
         if step.plan.zero1:  # the shard and the synced parameters agree exactly
             for _, param, in_param, in_shard in shard_slices(step, bucket):
                 assert torch.equal(bucket.shard.detach()[in_shard],

@@ -32,6 +32,29 @@ def local(reference: torch.Tensor, mine: torch.Tensor, step, param=None) -> torc
     return reference
 
 
+def floored_err(mine: torch.Tensor, ref: torch.Tensor, scale: float) -> float:
+    """Relative to the reference's norm, floored at 1e-3 of `scale` (the largest norm of its
+    kind) so that mathematically-zero gradients compare as absolute noise."""
+    return ((mine - ref).norm() / max(ref.norm().item(), 1e-3 * scale)).item()
+
+
+def largest_norm(model, attr: str | None = None) -> float:
+    """The largest norm of the model's parameters (or of their `.grad`s)."""
+    tensors = (getattr(p, attr) if attr else p for p in model.parameters())
+    return max(t.norm().item() for t in tensors if t is not None)
+
+
+def assert_like_reference(rows, step, scale: float, tol: float, what: str) -> None:
+    """`rows`: (name, this rank's tensor, the reference's full tensor, parameter); each within
+    `tol` (`floored_err`; `scale`: the largest norm over the whole reference model) of the
+    reference's local part."""
+    rows = list(rows)
+    assert rows, f"{what}: this rank owns no parameters"
+    for name, mine, full, param in rows:
+        err = floored_err(mine, local(full, mine, step, param), scale)
+        assert err <= tol, f"{what} {name}: error {err:.2e}"
+
+
 def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_len=16,
                model_kwargs=None, lr=1e-2):
     """`model_name`: a preset name, or a callable(**model_kwargs) building the model."""
@@ -67,22 +90,13 @@ def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_
         ref_loss.backward()
         assert rel_err(loss, ref_loss) <= LOSS_TOL, (i, loss.item(), ref_loss.item())
         ref_params = dict(reference.named_parameters())
-        owned = {n: p for n, p in step.named_parameters() if p.requires_grad}
-        assert owned, "this rank owns no parameters"
-        scale = max(p.grad.norm().item() for p in ref_params.values() if p.grad is not None)
-        for name, param in owned.items():
-            # relative to the gradient's norm, floored at 1e-3 of the largest gradient
-            # norm so that mathematically-zero gradients compare as absolute noise
-            ref = local(ref_params[name].grad, param.grad, step, param)
-            err = ((param.grad - ref).norm() / max(ref.norm().item(), 1e-3 * scale)).item()
-            assert err <= GRAD_TOL, f"step {i} {name}: grad error {err:.2e}"
+        assert_like_reference(((n, p.grad, ref_params[n].grad, p) for n, p in step.named_parameters()
+                               if p.requires_grad), step, largest_norm(reference, "grad"), GRAD_TOL,
+                              f"step {i} grad")
         opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
     ref_params = dict(reference.named_parameters())
-    scale = max(p.norm().item() for p in ref_params.values())
-    for name, param in step.named_parameters():  # noqa: B007
-        ref = local(ref_params[name], param, step, param)  # floored like the gradients
-        err = ((param - ref).norm() / max(ref.norm().item(), 1e-3 * scale)).item()
-        assert err <= GRAD_TOL, f"{name} after {steps} steps: error {err:.2e}"
+    assert_like_reference(((n, p, ref_params[n], p) for n, p in step.named_parameters()), step,
+                          largest_norm(reference), GRAD_TOL, f"after {steps} steps")
 
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("dualpipev", 1)]

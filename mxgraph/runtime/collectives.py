@@ -58,26 +58,45 @@ def group_size(name: str) -> int:
     return dist.get_world_size(_group(name))
 
 
-@torch.library.custom_op("mxgraph::tp_all_reduce", mutates_args=())
-def tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+def all_reduced(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """A contiguous copy of `x` summed over the group (the body of every all-reduce op)."""
     out = x.contiguous().clone()
     dist.all_reduce(out, group=_group(group_name))
     return out
 
 
-@tp_all_reduce.register_fake
-def _(x, group_name):
+def contiguous_copy(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The forward of ops that only mark a value for their backward (`tp_copy`, ...)."""
+    return x.contiguous().clone()
+
+
+def same_shape(x, *_):
+    """Fake of an op whose output is a contiguous tensor like `x`."""
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def gathered_shape(x, dim, group_name):
+    """Fake of an op whose output is `x` grown group-size times along `dim`."""
+    shape = list(x.shape)
+    shape[dim] *= group_size(group_name)
+    return x.new_empty(shape)
+
+
+def scattered_shape(x, dim, group_name):
+    """Fake of an op whose output is this rank's 1/group-size of `x` along `dim`."""
+    shape = list(x.shape)
+    shape[dim] //= group_size(group_name)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("mxgraph::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return all_reduced(x, group_name)
 
 
 @torch.library.custom_op("mxgraph::tp_copy", mutates_args=())
 def tp_copy(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return x.contiguous().clone()
-
-
-@tp_copy.register_fake
-def _(x, group_name):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return contiguous_copy(x, group_name)
 
 
 @torch.library.custom_op("mxgraph::tp_all_gather", mutates_args=())
@@ -89,13 +108,6 @@ def tp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-@tp_all_gather.register_fake
-def _(x, dim, group_name):
-    shape = list(x.shape)
-    shape[dim] *= group_size(group_name)
-    return x.new_empty(shape)
-
-
 @torch.library.custom_op("mxgraph::tp_slice", mutates_args=())
 def tp_slice(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     group = _group(group_name)
@@ -103,23 +115,9 @@ def tp_slice(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
         memory_format=torch.contiguous_format)
 
 
-@tp_slice.register_fake
-def _(x, dim, group_name):
-    shape = list(x.shape)
-    shape[dim] //= group_size(group_name)
-    return x.new_empty(shape)
-
-
 @torch.library.custom_op("mxgraph::sp_all_gather", mutates_args=())
 def sp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return tp_all_gather(x, dim, group_name)
-
-
-@sp_all_gather.register_fake
-def _(x, dim, group_name):
-    shape = list(x.shape)
-    shape[dim] *= group_size(group_name)
-    return x.new_empty(shape)
 
 
 @torch.library.custom_op("mxgraph::sp_reduce_scatter", mutates_args=())
@@ -131,11 +129,10 @@ def sp_reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tenso
     return out
 
 
-@sp_reduce_scatter.register_fake
-def _(x, dim, group_name):
-    shape = list(x.shape)
-    shape[dim] //= group_size(group_name)
-    return x.new_empty(shape)
+for _op, _fake in ((tp_all_reduce, same_shape), (tp_copy, same_shape),
+                   (tp_all_gather, gathered_shape), (sp_all_gather, gathered_shape),
+                   (tp_slice, scattered_shape), (sp_reduce_scatter, scattered_shape)):
+    _op.register_fake(_fake)
 
 
 def _backward_all_reduce(ctx, grad):

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mxgraph.runtime.collectives import KIND, _group, group_size
+from mxgraph.runtime.collectives import (KIND, _group, all_reduced, contiguous_copy, gathered_shape,
+                                         group_size, same_shape, scattered_shape)
 
 
 def _rank(group_name: str) -> int:
@@ -30,12 +31,6 @@ def _pieces(x: torch.Tensor, dim: int, cp: int) -> list[torch.Tensor]:
     return list(x.chunk(2 * cp, dim))
 
 
-def _shape(x: torch.Tensor, dim: int, factor: float) -> list[int]:
-    shape = list(x.shape)
-    shape[dim] = int(shape[dim] * factor)
-    return shape
-
-
 @torch.library.custom_op("mxgraph::cp_chunk", mutates_args=())
 def cp_chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     cp, r = group_size(group_name), _rank(group_name)
@@ -43,25 +38,15 @@ def cp_chunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     return torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim)
 
 
-@cp_chunk.register_fake
-def _(x, dim, group_name):
-    return x.new_empty(_shape(x, dim, 1 / group_size(group_name)))
-
-
 @torch.library.custom_op("mxgraph::cp_unchunk", mutates_args=())
 def cp_unchunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     """This rank's head-tail chunks placed in a zero tensor of the full length."""
     cp, r = group_size(group_name), _rank(group_name)
-    full = x.new_zeros(_shape(x, dim, cp))
+    full = gathered_shape(x, dim, group_name).zero_()
     pieces, mine = _pieces(full, dim, cp), x.chunk(2, dim)
     pieces[r].copy_(mine[0])
     pieces[2 * cp - 1 - r].copy_(mine[1])
     return full
-
-
-@cp_unchunk.register_fake
-def _(x, dim, group_name):
-    return x.new_empty(_shape(x, dim, group_size(group_name)))
 
 
 @torch.library.custom_op("mxgraph::cp_all_gather", mutates_args=())
@@ -72,11 +57,6 @@ def cp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     halves = [p.chunk(2, dim) for p in parts]
     order = [halves[i][0] for i in range(cp)] + [halves[cp - 1 - i][1] for i in range(cp)]
     return torch.cat(order, dim)
-
-
-@cp_all_gather.register_fake
-def _(x, dim, group_name):
-    return x.new_empty(_shape(x, dim, group_size(group_name)))
 
 
 @torch.library.custom_op("mxgraph::cp_reduce_scatter", mutates_args=())
@@ -91,31 +71,20 @@ def cp_reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tenso
     return out
 
 
-@cp_reduce_scatter.register_fake
-def _(x, dim, group_name):
-    return x.new_empty(_shape(x, dim, 1 / group_size(group_name)))
-
-
 @torch.library.custom_op("mxgraph::cp_all_reduce", mutates_args=())
 def cp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=_group(group_name))
-    return out
-
-
-@cp_all_reduce.register_fake
-def _(x, group_name):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return all_reduced(x, group_name)
 
 
 @torch.library.custom_op("mxgraph::cp_replicated", mutates_args=())
 def cp_replicated(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return x.contiguous().clone()
+    return contiguous_copy(x, group_name)
 
 
-@cp_replicated.register_fake
-def _(x, group_name):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+for _op, _fake in ((cp_chunk, scattered_shape), (cp_reduce_scatter, scattered_shape),
+                   (cp_unchunk, gathered_shape), (cp_all_gather, gathered_shape),
+                   (cp_all_reduce, same_shape), (cp_replicated, same_shape)):
+    _op.register_fake(_fake)
 
 
 def _keep(ctx, inputs, output):
