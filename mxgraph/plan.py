@@ -119,10 +119,6 @@ class Plan:
         if self.vpp > 1 and self.schedule not in ("interleaved", "dualpipev"):
             raise PlanError(f"vpp={self.vpp} needs schedule='interleaved' or 'dualpipev', "
                             f"not {self.schedule!r}; or set vpp=1")
-        if self.ep > 1 and self.cp > 1:
-            raise PlanError(f"ep={self.ep} with cp={self.cp}: expert parallelism does not combine "
-                            "with context parallelism yet (the expert gradients come out wrong); "
-                            "use ep with dp, tp or pp, or cp without ep")
         if self.sequence_parallel and self.tp == 1:
             raise PlanError("sequence_parallel=True needs tp > 1; set tp or turn it off")
         for kind in parse_list(self.recompute):

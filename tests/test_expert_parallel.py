@@ -42,6 +42,13 @@ def test_ep2_moe_tiny(expert_impl):
     run_ranks(2, check_ep, "moe-tiny", dict(ep=2), 3, dict(expert_impl=expert_impl))
 
 
+def test_ep2_cp2_moe_tiny():
+    """Expert gradients reduce over edp x cp (runtime/data_parallel.py): with edp = 1, the sum
+    of the two sequence halves' gradients of this rank's experts."""
+    run_ranks(4, check_ep, "moe-tiny", dict(ep=2, cp=2), 2,
+              dict(n_layers=2, expert_impl="grouped_mm"), 1e-3)
+
+
 def test_tp2_ep2_moe_tiny():
     # lr 1e-3: at 1e-2 two AdamW steps already turn TP's summation-order differences
     # into a different top-k choice for some token (tp2 x dp2 without EP does the same)

@@ -23,7 +23,6 @@ def test_toml_round_trip(tmp_path):
     (dict(recompute="norm,everything"), ["recompute", "everything", "norm"]),
     (dict(offload="kv"), ["offload", "'kv'"]),
     (dict(fusion="swigl"), ["fusion", "swiglu"]),
-    (dict(ep=2, cp=2), ["ep=2 with cp=2", "cp without ep"]),
 ])
 def test_bad_fields_name_the_field_and_a_fix(kwargs, words):
     with pytest.raises(PlanError) as info:
