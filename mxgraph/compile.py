@@ -28,6 +28,7 @@ from mxgraph.passes.shard_ep import shard_expert_parameters
 from mxgraph.passes.shard_tp import shard_parameters
 from mxgraph.plan import Plan, require_built
 from mxgraph.runtime.data_parallel import DataParallel
+from mxgraph.runtime.grad_norm import clip_grad_norm_
 from mxgraph.runtime.mesh import Mesh
 from mxgraph.runtime.pipeline import PipelineExecutor
 
@@ -75,6 +76,13 @@ class Step:
         model. Without zero1 there is nothing to do."""
         if self.data_parallel is not None:
             self.data_parallel.gather_parameters()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """After a step: scale this rank's gradients (the shards' under zero1) so that the
+        norm of the whole model's gradient, over every rank, is at most `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` on one device; returns that norm (fp32). Every rank
+        must call it (runtime/grad_norm.py)."""
+        return clip_grad_norm_(self, max_norm)
 
     def _model_parameters(self):
         """The model's parameters this rank holds (with pp > 1: its stages' ones)."""

@@ -139,10 +139,10 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         loss = step_fn(inputs, targets)
         if cfg.eager:
             loss.backward()
-        if plan.zero1 and not cfg.eager:  # the gradients live in the shards
-            step_fn.data_parallel.clip_grad_norm_(1.0)
-        else:
+        if cfg.eager:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:  # the norm of the whole model's gradient, over every rank
+            step_fn.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()

@@ -3,6 +3,7 @@
     dp = DataParallel.build(step.named_parameters(), expert_ids, plan, mesh)
     dp.reduce()             # after the step: average gradients over the data-parallel ranks
     opt = AdamW(p for _, p in dp.named_shards())   # zero1: this rank's flat shards
+    # clipping by the whole gradient's norm: runtime/grad_norm.py
     dp.gather_parameters()  # zero1: updated shards back into the model's parameters
 
 Layout (`build_buckets`): this rank's trainable parameters, in reverse parameter order (as
@@ -189,23 +190,17 @@ class DataParallel:
                 for param, value in bucket.views(flat):
                     param.copy_(value)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """ZeRO-1: scale the shards' gradients so that the norm of the whole gradient is
-        at most `max_norm` (as `torch.nn.utils.clip_grad_norm_`); returns that norm. The
-        squares are summed over "dp_cp" (= "dp" when cp = 1), which covers every shard of
-        every bucket (dp = edp x ep)."""
-        grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
-        if not grads:
-            return torch.zeros(())
-        total = sum(g.double().square().sum() for g in grads)
-        axis = "dp_cp" if self.mesh.sizes["cp"] > 1 else "dp"
-        if self.mesh.sizes[axis] > 1:
-            dist.all_reduce(total, group=self.mesh.group(axis))
-        norm = total.sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for grad in grads:
-            grad.mul_(scale.to(grad.dtype))
-        return norm.float()
+    def shard_pieces(self, bucket: Bucket):
+        """ZeRO-1: (parameter, the part of this rank's shard gradient that holds a slice of
+        its gradient) for each parameter overlapping this rank's shard of `bucket`."""
+        if bucket.shard.grad is None:
+            return
+        start = self._group_rank(bucket) * bucket.shard_numel
+        end = start + bucket.shard_numel
+        for param, offset in zip(bucket.params, bucket.offsets):
+            lo, hi = max(start, offset), min(end, offset + param.numel())
+            if lo < hi:
+                yield param, bucket.shard.grad[lo - start:hi - start]
 
     def _make_shard(self, bucket: Bucket) -> torch.nn.Parameter:
         flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])

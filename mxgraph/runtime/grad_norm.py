@@ -1,0 +1,67 @@
+"""Gradient clipping by the norm of the whole model's gradient, on every parallel layout.
+
+`clip_grad_norm_(step, max_norm)` is `torch.nn.utils.clip_grad_norm_` for the gradients a
+compiled step left on this rank: each rank holds a part of the gradient, some parts on several
+ranks. Every rank sums the squares of what it holds, each tensor divided by the number of ranks
+holding the same values, and one all-reduce over all ranks gives the square of the single-device
+norm (as Megatron-LM's `clip_grad_norm`). Copies of one gradient:
+
+* data parallel: after the bucket reduction every rank of the bucket's group ("dp", "edp",
+  "dp_cp", "edp_cp") holds the same gradient; under ZeRO-1 each holds a disjoint slice instead;
+* tensor parallel: a parameter the TP pass left whole (no `mx_tp_layout`) is on every TP rank;
+* pipeline: a parameter used by stages on several ranks (tied embeddings) is on each of them.
+
+Each gradient is then scaled by `min(1, max_norm / (norm + 1e-6))`. Returns the norm (fp32).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mxgraph.runtime.pipeline import PipelineExecutor
+
+
+def clip_grad_norm_(step, max_norm: float) -> torch.Tensor:
+    pieces = list(_gradient_pieces(step))  # (gradient tensor, ranks holding the same values)
+    total = torch.zeros((), dtype=torch.float64)
+    for grad, copies in pieces:
+        total += grad.double().square().sum() / copies
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    norm = total.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for grad, _ in pieces:
+        grad.mul_(scale.to(grad.dtype))
+    return norm.float()
+
+
+def _gradient_pieces(step):
+    sizes = step.mesh.sizes
+    holders = _pipeline_holders(step)
+    data_parallel = step.data_parallel
+    axis_of = {} if data_parallel is None else {
+        id(p): bucket.axis for bucket in data_parallel.buckets for p in bucket.params}
+    if step.plan.zero1:
+        for bucket in data_parallel.buckets:
+            for param, piece in data_parallel.shard_pieces(bucket):
+                yield piece, _model_copies(param, holders, sizes)
+        return
+    for _, param in step._model_parameters():
+        if param.grad is None:
+            continue
+        dp_copies = sizes[axis_of[id(param)]] if id(param) in axis_of else 1
+        yield param.grad, dp_copies * _model_copies(param, holders, sizes)
+
+
+def _model_copies(param, holders: dict, sizes: dict) -> int:
+    """Ranks of one data-parallel replica holding `param`'s gradient."""
+    tp_copies = 1 if hasattr(param, "mx_tp_layout") else sizes["tp"]
+    return tp_copies * holders.get(id(param), 1)
+
+
+def _pipeline_holders(step) -> dict[int, int]:
+    """id(parameter) -> pipeline ranks holding it, for parameters shared across stages."""
+    params = dict(step.model.named_parameters(remove_duplicate=False))
+    return {id(params[name]): len(ranks)
+            for compiled in step._compiled.values() if isinstance(compiled, PipelineExecutor)
+            for name, ranks in compiled.shared_params}
