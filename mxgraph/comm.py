@@ -29,6 +29,7 @@ pp > 1 the report is of one pipeline rank's stages (ranks differ).
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -285,12 +286,14 @@ def comm_report(model: torch.nn.Module, plan, example_args: tuple,
     nothing. Build the model and the example inputs on the meta device for big configs
     (`models.build_model(name, device="meta")`). Data-dependent sizes (MoE all-to-all
     rows) count at their upper bound, or at `unbacked(upper bound)` when given.
-    PlanError when the plan asks for something not built yet (`plan.NOT_BUILT`)."""
+    PlanError when the plan asks for something not built yet (`plan.NOT_BUILT`). `model`
+    is left as it was (a copy is compiled: the passes shard parameters)."""
     from mxgraph.compile import Step, _signature
     from mxgraph.passes.pipeline import check_pass_names
     from mxgraph.plan import require_built
     check_pass_names(plan.disable_passes)
     require_built(plan)
+    model = copy.deepcopy(model)
     example_args, example_kwargs = _fake_cpu(model, example_args, example_kwargs or {})
     mesh = paper_mesh(plan)
     mesh.coords["pp"] = pp_rank

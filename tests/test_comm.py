@@ -53,6 +53,13 @@ def test_tp2_all_reduces_equal_hand_count():
     assert rep.by_kind()["all_gather"] == 0
 
 
+def test_the_model_is_left_as_it_was():
+    model = llama()
+    before = {n: (p, p.shape, p.is_meta) for n, p in model.named_parameters()}
+    report(model, Plan(tp=2))
+    assert {n: (p, p.shape, p.is_meta) for n, p in model.named_parameters()} == before
+
+
 def test_recomputed_collectives_count_again():
     bsh = B * S * llama().config.dim * F32
     saved = report(llama(), Plan(tp=2))
