@@ -37,6 +37,40 @@ class ForwardGraph:
     constants: dict[str, torch.Tensor]
 
 
+@contextlib.contextmanager
+def whole_parameters(model: torch.nn.Module, mesh, expert_ids: set[int]):
+    """Within: every parameter an earlier compile sharded (a TP shard carries `mx_tp_layout`,
+    an expert shard's id is in `expert_ids`) is replaced, under each of its names, by an
+    uninitialised parameter of the whole shape; the shards are put back after. Capturing a
+    sharded step again (new input shapes) traces the model the passes were written for: they
+    shard the graph as the first time and find the parameters already sharded. The values do
+    not matter to tracing; the stand-ins are `torch.empty` on the parameter's device."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    stand_ins: dict[int, torch.nn.Parameter] = {}
+    for _, param in named:
+        shape = list(param.shape)
+        layout = getattr(param, "mx_tp_layout", None)
+        if layout is not None:
+            shape[layout[0]] *= mesh.sizes["tp"]
+        if id(param) in expert_ids:
+            shape[0] *= mesh.sizes["ep"]
+        if shape != list(param.shape) and id(param) not in stand_ins:
+            stand_ins[id(param)] = torch.nn.Parameter(
+                torch.empty(shape, dtype=param.dtype, device=param.device),
+                requires_grad=param.requires_grad)
+    _put(model, [(name, stand_ins[id(p)]) for name, p in named if id(p) in stand_ins])
+    try:
+        yield
+    finally:
+        _put(model, [(name, p) for name, p in named if id(p) in stand_ins])
+
+
+def _put(model: torch.nn.Module, named: list) -> None:
+    for name, param in named:
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, leaf, param)
+
+
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> ForwardGraph:
     """Trace the model's forward for these inputs (shapes are specialised)."""
     with _module_tracker(model) as stack:

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mxgraph.capture import capture, flat_inputs, model_tensors, slot_tensor
+from mxgraph.capture import capture, flat_inputs, model_tensors, slot_tensor, whole_parameters
 from mxgraph.codegen.python import generate
 from mxgraph.comm import write_comm_dump
 from mxgraph.compile_pipeline import compile_pipeline, split_microbatches
@@ -150,7 +150,8 @@ class Step:
                            for name, _ in rt.programs.param_grads}
             return executor
         start = time.perf_counter()
-        forward = capture(self.model, args, kwargs)
+        with whole_parameters(self.model, self.mesh, self.expert_param_ids):
+            forward = capture(self.model, args, kwargs)
         record(ctx, "capture", "forward", forward.gm, time.perf_counter() - start)
         gm = forward.gm
         for spec in FORWARD_PASSES:

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from mxgraph.capture import capture, model_tensors, slot_tensor
+from mxgraph.capture import capture, model_tensors, slot_tensor, whole_parameters
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
 from mxgraph.joint import build_joint
@@ -49,7 +49,8 @@ def compile_pipeline(model, plan, mesh: Mesh, ctx: CompileContext, args, kwargs,
     schedule = build_schedule_for(plan)
     microbatch = split_microbatches(list(args), plan.micro_batches)[0]
     start = time.perf_counter()
-    forward = capture(model, tuple(microbatch), kwargs)
+    with whole_parameters(model, mesh, expert_param_ids or set()):
+        forward = capture(model, tuple(microbatch), kwargs)
     record(ctx, "capture", "forward", forward.gm, time.perf_counter() - start)
     gm = forward.gm
     for spec in FORWARD_PASSES:

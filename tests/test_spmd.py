@@ -5,6 +5,8 @@ rank's loss within 1e-5 relative of eager autograd on the global batch, its (gat
 compared shard by shard) gradients within 1e-4 relative (fp32), its parameters within
 1e-4 after 3 AdamW steps. Layout errors are checked in one process on a paper mesh.
 """
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -17,6 +19,7 @@ from mxgraph.passes.pipeline import FORWARD_PASSES
 from mxgraph.passes.runner import run_pass
 from mxgraph.runtime.mesh import Mesh
 from tests.distributed import run_ranks
+from tests.helpers import batch, rel_err
 from tests.test_pipeline_exec import check_plan
 
 LLAMA = "llama-tiny"
@@ -43,6 +46,39 @@ def test_cp2(model_name):
 def test_cp2_tp2_llama_with_sequence_parallel():
     # cp2 x tp2 without SP: the drawn config below (one step)
     run_ranks(4, check_models, [(LLAMA, dict(cp=2, tp=2, sequence_parallel=True), None)])
+
+
+def check_new_shapes(rank, world, cases):
+    """One step per input shape (seq 16, 8, then 16 again: the first graph reused), each
+    against eager: loss 1e-5, gradients 1e-4 (floored as check_plan)."""
+    import tests.test_pipeline_exec as pipeline_exec
+    from tests.test_expert_parallel import ep_local
+    pipeline_exec.local = ep_local  # expert tensors cut by ep, the others as before
+    for model_name, plan_kwargs, model_kwargs in cases:
+        torch.manual_seed(0)
+        model = models.build_model(model_name, **model_kwargs)
+        reference = copy.deepcopy(model)
+        step = mx.compile(model, mx.Plan(**plan_kwargs))
+        for seq in (16, 8, 16):
+            args = batch(vocab=model.config.vocab_size, batch_size=2, seq_len=seq)
+            loss = step(*args)
+            reference.zero_grad()
+            ref_loss = reference(*args)
+            ref_loss.backward()
+            assert rel_err(loss, ref_loss) <= 1e-5, (model_name, seq, loss.item(), ref_loss.item())
+            ref_params = dict(reference.named_parameters())
+            pipeline_exec.assert_like_reference(
+                ((n, p.grad, ref_params[n].grad, p) for n, p in step.named_parameters()), step,
+                pipeline_exec.largest_norm(reference, "grad"), 1e-4, f"{model_name} seq {seq}")
+            model.zero_grad()
+        assert len(step._compiled) == 2
+
+
+def test_sharded_step_recompiles_for_new_input_shapes():
+    """A TP (and an EP) step called with a new sequence length captures the whole model again
+    (the shards stand in for whole parameters while tracing) and reuses its shards."""
+    run_ranks(2, check_new_shapes, [(LLAMA, dict(tp=2), {}),
+                                    ("moe-tiny", dict(ep=2), dict(n_layers=2, expert_impl="grouped_mm"))])
 
 
 LAYOUTS = {"tp2": (2, dict(tp=2)),
