@@ -134,6 +134,11 @@ class Plan:
         if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise PlanError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB "
                             f"(e.g. 25.0)")
+        if self.ep > 1 and self.moe.adaptive_recompute_threshold is not None:
+            raise PlanError(f"moe.adaptive_recompute_threshold with ep={self.ep} is not built: the "
+                            "step counts each EP rank's tokens by routing with the eager model, "
+                            "whose experts ep shards; use it with ep=1 (AdaptiveMoEStep(model, "
+                            "plan, ep=N) counts for a planned ep=N) or drop the threshold")
         if self.zero1 and self.moe.adaptive_recompute_threshold is not None:
             raise PlanError("zero1 does not combine with moe.adaptive_recompute_threshold yet "
                             "(its two compiled variants would each shard the optimizer "

@@ -23,6 +23,7 @@ def test_toml_round_trip(tmp_path):
     (dict(recompute="norm,everything"), ["recompute", "everything", "norm"]),
     (dict(offload="kv"), ["offload", "'kv'"]),
     (dict(fusion="swigl"), ["fusion", "swiglu"]),
+    (dict(ep=2, moe={"adaptive_recompute_threshold": 8}), ["adaptive_recompute_threshold", "ep=1"]),
 ])
 def test_bad_fields_name_the_field_and_a_fix(kwargs, words):
     with pytest.raises(PlanError) as info:
