@@ -18,12 +18,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mxgraph.runtime.mesh import default_device
 from mxgraph.runtime.pipeline import PipelineExecutor
 
 
 def clip_grad_norm_(step, max_norm: float) -> torch.Tensor:
     pieces = list(_gradient_pieces(step))  # (gradient tensor, ranks holding the same values)
-    total = torch.zeros((), dtype=torch.float64)
+    device = pieces[0][0].device if pieces else default_device()  # nccl reduces device tensors
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for grad, copies in pieces:
         total += grad.double().square().sum() / copies
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -33,7 +33,7 @@ def bias_gelu_reference(x: Tensor, bias: Tensor, approximate: str = "none") -> T
 
 
 def bias_gelu_backward_reference(grad: Tensor, x: Tensor, bias: Tensor, approximate: str = "none"):
-    """The ATen calls eager autograd makes for ``F.gelu(x + bias)`` (see ``_common``)."""
+    """The ATen calls eager autograd makes for ``F.gelu(x + bias)`` (see the package docstring)."""
     _check(approximate)
     dx = torch.ops.aten.gelu_backward(grad.float(), x.float() + bias.float(), approximate=approximate)
     return dx.to(x.dtype), _common.sum_to_last_dim(dx).to(bias.dtype)

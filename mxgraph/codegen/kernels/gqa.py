@@ -72,7 +72,7 @@ def _eager_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
 
 
 def gqa_attention_reference(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float):
-    """On the CPU, eager SDPA's own kernel on repeated K/V (see ``_common``); elsewhere a softmax
+    """On the CPU, eager SDPA's own kernel on repeated K/V (see the package docstring); elsewhere a softmax
     over a broadcast group axis, K/V never repeated."""
     b, hq, hkv, sq, sk, d = _check(q, k, v)
     if q.device.type == "cpu":

@@ -62,7 +62,7 @@ def linear_cross_entropy_reference(x: Tensor, weight: Tensor, targets: Tensor, c
 def linear_cross_entropy_backward_reference(grad_loss: Tensor, x: Tensor, weight: Tensor, targets: Tensor,
                                             lse: Tensor, chunk_size: int, ignore_index: int = -100):
     """Per chunk, the ATen calls eager autograd makes for ``F.cross_entropy(x @ weight.T, targets)``
-    (see ``_common``); with one chunk, the same result bit for bit."""
+    (see the package docstring); with one chunk, the same result bit for bit."""
     _check(x, weight, targets, chunk_size)
     w32 = weight.float()
     grad = grad_loss.float()

@@ -95,7 +95,7 @@ def moe_router_reference(logits: Tensor, expert_bias: Tensor | None, topk: int, 
 
 def moe_router_backward_reference(grad_probs: Tensor, logits: Tensor, topk_ids: Tensor, score_func: str = "softmax",
                                   normalize: bool = False, route_scale: float = 1.0) -> Tensor:
-    """The ATen calls eager autograd makes for steps 1, 4 and the scaling (see ``_common``)."""
+    """The ATen calls eager autograd makes for steps 1, 4 and the scaling (see the package docstring)."""
     scores = _scores(logits, score_func)
     g = grad_probs.float() * route_scale
     if normalize:

@@ -39,7 +39,7 @@ def add_rmsnorm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: floa
 def rmsnorm_backward_reference(grad_y: Tensor, h: Tensor, weight: Tensor, rstd: Tensor,
                                grad_residual: Tensor | None = None):
     """The ATen calls eager autograd makes for ``h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    * weight`` (see ``_common``), the residual's gradient arriving first."""
+    * weight`` (see the package docstring), the residual's gradient arriving first."""
     h32, g, r = h.float(), grad_y.float(), rstd[..., None]
     grad_t = g * weight.float()
     dw = (g * (h32 * r)).reshape(-1, h.shape[-1]).sum(0)

@@ -41,7 +41,7 @@ def swiglu_backward_reference(grad: Tensor, a: Tensor, b: Tensor, bias_a: Tensor
                               bias_b: Tensor | None = None):
     """Returns (grad_a, grad_b) or, with biases, (grad_a, grad_b, grad_bias_a, grad_bias_b).
 
-    The ATen calls eager autograd makes for ``F.silu(a) * b`` (see ``_common``)."""
+    The ATen calls eager autograd makes for ``F.silu(a) * b`` (see the package docstring)."""
     a32, b32 = _biased(a, b, bias_a, bias_b)
     g = grad.float()
     da = torch.ops.aten.silu_backward(g * b32, a32)
