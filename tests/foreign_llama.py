@@ -60,13 +60,13 @@ class LlamaRotaryEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, hidden_size, num_heads, num_key_value_heads):
+    def __init__(self, hidden_size, num_heads, num_key_value_heads, attention_bias=False):
         super().__init__()
         self.head_dim = hidden_size // num_heads
         self.num_key_value_groups = num_heads // num_key_value_heads
-        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_key_value_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_key_value_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=attention_bias)
+        self.k_proj = nn.Linear(hidden_size, num_key_value_heads * self.head_dim, bias=attention_bias)
+        self.v_proj = nn.Linear(hidden_size, num_key_value_heads * self.head_dim, bias=attention_bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=False)
 
     def forward(self, hidden_states, cos, sin):
@@ -95,9 +95,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, hidden_size, num_heads, num_key_value_heads, intermediate_size):
+    def __init__(self, hidden_size, num_heads, num_key_value_heads, intermediate_size,
+                 attention_bias=False):
         super().__init__()
-        self.self_attn = LlamaAttention(hidden_size, num_heads, num_key_value_heads)
+        self.self_attn = LlamaAttention(hidden_size, num_heads, num_key_value_heads, attention_bias)
         self.mlp = LlamaMLP(hidden_size, intermediate_size)
         self.input_layernorm = LlamaRMSNorm(hidden_size)
         self.post_attention_layernorm = LlamaRMSNorm(hidden_size)
@@ -112,14 +113,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class HFLlama(nn.Module):
-    """vocab 256, hidden 64, 4 query heads over 2 KV heads, MLP 160, 2 layers (~0.1M parameters)."""
+    """vocab 256, hidden 64, 4 query heads over 2 KV heads, MLP 160, 2 layers (~0.1M parameters);
+    `attention_bias=True`: biased q/k/v projections, as Qwen2 writes them."""
 
     def __init__(self, vocab_size=256, hidden_size=64, num_heads=4, num_key_value_heads=2,
-                 intermediate_size=160, num_layers=2):
+                 intermediate_size=160, num_layers=2, attention_bias=False):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hidden_size, num_heads, num_key_value_heads, intermediate_size)
+            LlamaDecoderLayer(hidden_size, num_heads, num_key_value_heads, intermediate_size,
+                              attention_bias)
             for _ in range(num_layers))
         self.norm = LlamaRMSNorm(hidden_size)
         self.rotary_emb = LlamaRotaryEmbedding(hidden_size // num_heads)

@@ -186,13 +186,14 @@ def test_residual_gradient_goes_into_the_norm_backward(disabled):
         assert not added and len(with_residual) == 2
 
 
-def test_hf_style_llama_fuses_every_site_and_trains_the_same(tmp_path):
+@pytest.mark.parametrize("attention_bias", [False, True], ids=["llama", "qwen2-biases"])
+def test_hf_style_llama_fuses_every_site_and_trains_the_same(attention_bias, tmp_path):
     """Model code written the Hugging Face way (tests/foreign_llama.py): every norm, RoPE pair,
     GQA attention, SwiGLU and the LM-head loss fused; 3 AdamW steps within 1e-6 of eager
     (measured: equal bit for bit, as the presets)."""
     from tests.foreign_llama import HFLlama
     torch.manual_seed(0)
-    model = HFLlama()
+    model = HFLlama(attention_bias=attention_bias)
     unfused = copy.deepcopy(model)
     args = batch(vocab=256, seq_len=16)
     on = mx.compile(model, mx.Plan(fusion=True, dump_dir=str(tmp_path)))
