@@ -165,4 +165,4 @@ def test_hf_style_llama_tp2_sequence_parallel_fused():
     """Llama written the Hugging Face way (tests/foreign_llama.py: heads transposed before RoPE,
     GQA repeat in [B, H, S, D], weight-first RMSNorm) under tp2 + SP with every fusion on."""
     from tests.foreign_llama import HFLlama
-    run_ranks(2, check_plan, HFLlama, dict(tp=2, sequence_parallel=True, fusion=True), 3, 8, 16)
+    run_ranks(2, check_plan, HFLlama, dict(tp=2, sequence_parallel=True, fusion=True), 2, 8, 16)
