@@ -51,20 +51,15 @@ def _flat(tensors) -> torch.Tensor:
     return torch.cat([t.detach().double().flatten() for t in tensors])
 
 
-# moe-tiny keeps 2 of its 4 layers (one dense, one MoE): its per-expert loop traces slowly
-PRESETS = [("llama-tiny", {}), ("moe-tiny", {"n_layers": 2}), ("gpt-tiny", {})]
-
-
-@pytest.mark.parametrize("name, overrides", PRESETS, ids=[p[0] for p in PRESETS])
-def test_preset_fusion_counts_and_parity(name, overrides, tmp_path):
-    """Fusion on vs off (= eager: tests/test_compile.py holds the unfused step to it)."""
-    torch.manual_seed(0)
-    model = models.build_model(name, **overrides)
+def assert_fused_training_equals_eager(model, vocab: int, dump_dir, steps: int = 3) -> None:
+    """`model` compiled with every fusion (dumped to `dump_dir`) vs an eager copy, on tokens
+    below `vocab`: the loss and every gradient of each AdamW step (lr 1e-2), and the parameters
+    after them, within TOL."""
     unfused = copy.deepcopy(model)
-    args = batch(vocab=model.config.vocab_size, seq_len=16)
-    on = mx.compile(model, mx.Plan(fusion=True, dump_dir=str(tmp_path)))
+    args = batch(vocab=vocab, seq_len=16)
+    on = mx.compile(model, mx.Plan(fusion=True, dump_dir=str(dump_dir)))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, unfused)]
-    for i in range(3):
+    for i in range(steps):
         loss_on, loss_off = on(*args), unfused(*args)
         loss_off.backward()
         assert rel_err(loss_on, loss_off) <= TOL, (i, loss_on.item(), loss_off.item())
@@ -74,6 +69,18 @@ def test_preset_fusion_counts_and_parity(name, overrides, tmp_path):
             opt.step()
             opt.zero_grad()
     assert rel_err(_flat(model.parameters()), _flat(unfused.parameters())) <= TOL
+
+
+# moe-tiny keeps 2 of its 4 layers (one dense, one MoE): its per-expert loop traces slowly
+PRESETS = [("llama-tiny", {}), ("moe-tiny", {"n_layers": 2}), ("gpt-tiny", {})]
+
+
+@pytest.mark.parametrize("name, overrides", PRESETS, ids=[p[0] for p in PRESETS])
+def test_preset_fusion_counts_and_parity(name, overrides, tmp_path):
+    """Fusion on vs off (= eager: tests/test_compile.py holds the unfused step to it)."""
+    torch.manual_seed(0)
+    model = models.build_model(name, **overrides)
+    assert_fused_training_equals_eager(model, model.config.vocab_size, tmp_path)
     expected = {k: v for k, v in expected_counts(name, model.config).items() if v}
     assert dump_counts(tmp_path) == expected
 
@@ -194,20 +201,7 @@ def test_hf_style_llama_fuses_every_site_and_trains_the_same(attention_bias, tmp
     from tests.foreign_llama import HFLlama
     torch.manual_seed(0)
     model = HFLlama(attention_bias=attention_bias)
-    unfused = copy.deepcopy(model)
-    args = batch(vocab=256, seq_len=16)
-    on = mx.compile(model, mx.Plan(fusion=True, dump_dir=str(tmp_path)))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, unfused)]
-    for i in range(3):
-        loss_on, loss_off = on(*args), unfused(*args)
-        loss_off.backward()
-        assert rel_err(loss_on, loss_off) <= TOL, i
-        for (key, p), q in zip(model.named_parameters(), unfused.parameters()):
-            assert rel_err(p.grad, q.grad) <= TOL, (i, key)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-    assert rel_err(_flat(model.parameters()), _flat(unfused.parameters())) <= TOL
+    assert_fused_training_equals_eager(model, 256, tmp_path)
     layers = len(model.layers)
     assert dump_counts(tmp_path) == {"rmsnorm": 2 * layers + 1, "rope": layers, "gqa": layers,
                                      "swiglu": layers, "linear_cross_entropy": 1}
