@@ -58,17 +58,22 @@ def whole_parameters(model: torch.nn.Module, mesh, expert_ids: set[int]):
             stand_ins[id(param)] = torch.nn.Parameter(
                 torch.empty(shape, dtype=param.dtype, device=param.device),
                 requires_grad=param.requires_grad)
-    _put(model, [(name, stand_ins[id(p)]) for name, p in named if id(p) in stand_ins])
+    for name, param in named:
+        if id(param) in stand_ins:
+            set_parameter(model, name, stand_ins[id(param)])
     try:
         yield
     finally:
-        _put(model, [(name, p) for name, p in named if id(p) in stand_ins])
+        for name, param in named:
+            if id(param) in stand_ins:
+                set_parameter(model, name, param)
 
 
-def _put(model: torch.nn.Module, named: list) -> None:
-    for name, param in named:
-        owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner) if owner else model, leaf, param)
+def set_parameter(model: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    """Put `param` at the dotted `name` in `model` (one alias of a tied parameter: call it for
+    each name the old parameter has)."""
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, param)
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> ForwardGraph:

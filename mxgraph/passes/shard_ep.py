@@ -43,6 +43,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import mxgraph.runtime.collectives_ep  # noqa: F401 - registers the all-to-all ops
+from mxgraph.capture import set_parameter
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
 from mxgraph.passes.shard_tp import repropagate
@@ -431,7 +432,6 @@ def shard_expert_parameters(model: torch.nn.Module, gm: GraphModule,
                                    requires_grad=full.requires_grad)
         for name, param in named.items():
             if param is full:
-                owner, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(owner) if owner else model, leaf, shard)
+                set_parameter(model, name, shard)
         ids.add(id(shard))
     return ids

@@ -34,6 +34,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import mxgraph.runtime.collectives  # noqa: F401 - registers the collective ops
 import mxgraph.runtime.collectives_cp  # noqa: F401 - registers the CP ops
+from mxgraph.capture import set_parameter
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
 from mxgraph.passes import shard_vocab
@@ -565,8 +566,7 @@ def shard_parameters(model: torch.nn.Module, gm: GraphModule, ctx: CompileContex
         shard.mx_tp_layout = (dim, node.meta.get("tp_blocks"))
         for name, param in named.items():
             if param is full:
-                owner, _, leaf = name.rpartition(".")
-                setattr(model.get_submodule(owner) if owner else model, leaf, shard)
+                set_parameter(model, name, shard)
 
 
 def tp_shard(full: torch.Tensor, dim: int, blocks: list[int] | None, tp: int,
