@@ -9,7 +9,8 @@ is blocked by one save with
   dcp.save         torch.distributed.checkpoint.save
   dcp.async_save   thread and process checkpointers, default staging
 and the time to restore with mxgraph from memory and from disk (page cache warm), both
-into the live tensors (`restore(into=state)`), and with torch.load (new tensors). Ratios are against the floor. It also measures the level-0 monitor's overhead
+into the live tensors (`restore(into=state)`), and with torch.load (new tensors). Ratios are
+against the floor. It also measures the level-0 monitor's overhead
 as a % of llama-tiny's step time.
 
     python benchmarks/bench_checkpoint.py --sizes 0.1,1 --json bench_checkpoint.json

@@ -104,7 +104,7 @@ def bench_mxgraph(name, args, steps, plan_kwargs):
         start = time.perf_counter()
         step(*args)
         times.append(time.perf_counter() - start)
-    gm = next(iter(step._compiled.values())).joint.gm
+    gm = step.executors()[0].stages[0].joint.gm
     measured = measure_step(step, *args)
     label = ", ".join(f"{k}={v}" for k, v in plan_kwargs.items()) or "none"
     return {"runner": f"mxgraph {label}", "saved": measured.device_bytes,

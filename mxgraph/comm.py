@@ -6,11 +6,12 @@
 
 Everything is read from what the compiler produced, not from formulas:
 * **graph** collectives: every call_function node whose target is an `mxgraph::` op with
-  a non-None kind in `collectives.KIND`. Without pipelining, in the joint graph after the
-  joint passes (the forward, and the backward AOTAutograd derived from each op's
-  registered autograd; a value remat recomputes is a second node, so every node counts
-  once per execution); phase from the node's `partitioner_tag`. With pipelining or
-  micro-batches, in each stage's F/B/W programs, once per action this rank's schedule runs.
+  a non-None kind in `collectives.KIND` (`comm_graph.py`), in each of this rank's stages'
+  F/B/W programs (the joint graph after the joint passes, cut by the B/W split: the
+  forward, and the backward AOTAutograd derived from each op's registered autograd; a
+  value remat recomputes is a second node), once per action this rank's schedule runs
+  (without pipelining: one stage, F and BW once per micro-batch); phase "forward" in F,
+  "backward" in B and W.
 * **runtime** collectives (phase "runtime") that `Step` runs outside the graphs: the
   data-parallel reduction, one collective per gradient bucket as `runtime/data_parallel.py`
   lays out this rank's parameters (an all-reduce over dp, expert buckets over edp; with
@@ -20,47 +21,26 @@ Everything is read from what the compiler produced, not from formulas:
   are the peers' sends), the loss broadcast and the all-reduce of parameters held by
   several pipeline ranks.
 
-Volume convention (`collectives.py`): one call moves the full tensor's bytes (the
-all-reduce's tensor, the all-gather's output, the reduce-scatter's and all-to-all's
-input; an op's own rule in `collectives.VOLUME` where it has one), as Megatron-LM's
-formulas count, not a ring's wire bytes. Data-dependent sizes (MoE token counts) count at
-the upper bound their `torch._check`s give (`cost.concrete`), or by a caller's rule. With
-pp > 1 the report is of one pipeline rank's stages (ranks differ).
+Volume convention: see `comm_graph.py` (Megatron-LM's: the full tensor's bytes per call).
+With pp > 1 the report is of one pipeline rank's stages (ranks differ).
 """
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-from mxgraph.cost import concrete, schema_arg, tensor_meta
-from mxgraph.runtime.collectives import KIND, VOLUME
+from mxgraph.comm_graph import KINDS, CommEntry, graph_entries, tensor_bytes
+from mxgraph.context import CompileContext
+from mxgraph.driver import check_plan, compile_step, fake_model, paper_mesh
+from mxgraph.runtime.data_parallel import Bucket, bucket_layout
+from mxgraph.runtime.pipeline import PipelineExecutor
+from mxgraph.schedules import B, BW, F, SEND_B, SEND_F, W
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 AXIS_ORDER = ("tp", "cp", "ep", "dp", "edp", "dp_cp", "edp_cp", "pp")
 PHASES = ("forward", "backward", "runtime")  # runtime: by Step, outside the graphs
 _MiB = 2 ** 20
-
-
-@dataclass(frozen=True)
-class CommEntry:
-    """One collective call (or one per scheduled action) on this rank."""
-
-    axis: str
-    kind: str
-    phase: str
-    bytes: int
-    what: str  # the graph node's name, or what the runtime moves ("bucket0: ...", "loss")
-    module: str = ""  # graph nodes: the module path the collective belongs to
-    layer: int | None = None  # graph nodes: the layer index, None outside layers
-    upper_bytes: int | None = None
-    """`bytes` with data-dependent sizes at their upper bound (None: the same as bytes)."""
-
-    @property
-    def worst_case(self) -> int:
-        return self.bytes if self.upper_bytes is None else self.upper_bytes
 
 
 @dataclass
@@ -119,91 +99,20 @@ def _order(names: tuple, name: str) -> int:
     return names.index(name) if name in names else len(names)
 
 
-# ---- graph collectives ------------------------------------------------------------------
-def size(value, unbacked=None) -> int:
-    """An int for a dimension or a byte count: a data-dependent (unbacked) one counts at the
-    upper bound its `torch._check`s give (`cost.concrete`), or at `unbacked(upper bound)`
-    when given (e.g. an expected share of the worst case)."""
-    if isinstance(value, int):
-        return value
-    try:
-        return int(value)
-    except Exception:  # noqa: BLE001 - unbacked SymInt
-        upper = concrete(value)
-        return upper if unbacked is None else unbacked(upper)
-
-
-def tensor_bytes(value, unbacked=None) -> int:
-    """Bytes of the tensors in a meta value; unbacked sizes as in `size`."""
-    return sum(math.prod(size(d, unbacked) for d in t.shape) * t.element_size()
-               for t in tensor_meta(value))
-
-
-def collective_call(node: torch.fx.Node, unbacked=None) -> tuple[str, str, int] | None:
-    """(kind, group name, bytes) of a node that runs a KIND-listed mxgraph collective,
-    else None. Bytes: `collectives.VOLUME`'s rule for the op if it has one, else per the
-    convention (the all-gather's output, otherwise the tensor it is given); unbacked
-    sizes as in `size`."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
-            target.namespace != "mxgraph":
-        return None
-    name = target._schema.name.split("::", 1)[1]
-    kind = KIND.get(name)
-    if kind is None:
-        return None
-    if name in VOLUME:
-        moved = size(VOLUME[name](node), unbacked)
-    else:
-        value = (node if kind == "all_gather" else node.args[0]).meta.get("val")
-        moved = tensor_bytes(value, unbacked)
-    return kind, schema_arg(node, "group_name"), moved
-
-
-def graph_comm_bytes(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Bytes per collective kind in one graph, over all groups (for dump summaries)."""
-    totals = dict.fromkeys(KINDS[:4], 0)
-    for node in gm.graph.nodes:
-        call = collective_call(node)
-        if call is not None:
-            totals[call[0]] = totals.get(call[0], 0) + call[2]
-    return totals
-
-
-def graph_entries(gm: torch.fx.GraphModule, mesh, phase: str | None = None,
-                  unbacked=None) -> list[CommEntry]:
-    """One entry per collective node; `phase` None: from the node's partitioner_tag."""
-    entries = []
-    for node in gm.graph.nodes:
-        call = collective_call(node, unbacked)
-        if call is None:
-            continue
-        kind, group, moved = call
-        upper = moved if unbacked is None else collective_call(node)[2]
-        where = phase or ("backward" if node.meta.get("partitioner_tag") == "is_backward"
-                          else "forward")
-        custom = node.meta.get("custom") or {}
-        entries.append(CommEntry(mesh.axis_of(group), kind, where, moved, node.name,
-                                 custom.get("module", ""), custom.get("layer"), upper))
-    return entries
-
-
 # ---- runtime collectives ----------------------------------------------------------------
-def data_parallel_entries(step) -> list[CommEntry]:
-    """The data-parallel reduction `Step` runs after the graph, one collective per
-    gradient bucket of this rank's parameters (`runtime/data_parallel.py`: expert
-    buckets over "edp", others over "dp"; "edp_cp" and "dp_cp" with cp > 1): an all-reduce
-    of the padded bucket, or with zero1 its reduce-scatter plus the all-gather of the
-    updated parameters."""
-    if step.mesh.sizes["dp_cp"] == 1:
-        return []
+def data_parallel_entries(buckets: list[Bucket], zero1: bool) -> list[CommEntry]:
+    """The data-parallel reduction `Step` runs after the graphs, one collective per
+    gradient bucket of this rank's parameters (`runtime/data_parallel.py`: expert buckets
+    over "edp", others over "dp"; "edp_cp" and "dp_cp" with cp > 1): an all-reduce of the
+    padded bucket, or with zero1 its reduce-scatter plus the all-gather of the updated
+    parameters."""
     entries = []
-    for i, bucket in enumerate(step._data_parallel().buckets):
+    for i, bucket in enumerate(buckets):
         if bucket.group_size == 1:
             continue
         moved = bucket.padded_numel * bucket.params[0].element_size()
         what = f"bucket{i}: {len(bucket.names)} parameters"
-        if step.plan.zero1:  # the all-gather runs at the next step's start: once per step
+        if zero1:  # the all-gather runs at the next step's start: once per step
             entries.append(CommEntry(bucket.axis, "reduce_scatter", "runtime", moved, what))
             entries.append(CommEntry(bucket.axis, "all_gather", "runtime", moved, what))
         else:
@@ -211,23 +120,14 @@ def data_parallel_entries(step) -> list[CommEntry]:
     return entries
 
 
-def _joint_entries(step, compiled, unbacked) -> tuple[list[CommEntry], int]:
-    """Graph entries and loss bytes of a single-graph step."""
-    joint = compiled.joint
-    outputs = joint.gm.graph.find_nodes(op="output")[0].args[0]
-    return graph_entries(joint.gm, step.mesh, None, unbacked), tensor_bytes(outputs[0].meta.get("val"))
-
-
-def _pipeline_entries(step, executor, unbacked) -> tuple[list[CommEntry], int]:
-    """Collectives of this rank's F/B/W programs once per scheduled action, its p2p
-    sends, the loss broadcast and the shared-parameter all-reduce over pp."""
-    from mxgraph.schedules import B, BW, F, SEND_B, SEND_F, W
-    mesh, rank = step.mesh, step.mesh.coords["pp"]
+def program_entries(executor: PipelineExecutor, unbacked=None) -> list[CommEntry]:
+    """Collectives of this rank's F/B/W programs once per scheduled action, its p2p sends,
+    and with pp > 1 the loss broadcast and the shared-parameter all-reduce over pp."""
+    mesh, rank = executor.mesh, executor.mesh.coords["pp"]
     programs = {}
     for stage, rt in executor.stages.items():
-        for kind, program, phase in ((F, rt.programs.forward, "forward"),
-                                     (B, rt.programs.backward_input, "backward"),
-                                     (W, rt.programs.backward_weight, "backward")):
+        for kind, program in rt.programs.all():
+            phase = "forward" if kind == F else "backward"
             programs[(stage, kind)] = graph_entries(program.gm, mesh, phase, unbacked)
     entries = []
     for action in executor.schedule.actions[rank]:
@@ -241,41 +141,36 @@ def _pipeline_entries(step, executor, unbacked) -> tuple[list[CommEntry], int]:
                 entries.append(CommEntry("pp", "send", "forward" if part.kind == SEND_F
                                          else "backward", tensor_bytes(list(metas)),
                                          f"{part}"))
-    params = dict(step.model.named_parameters(remove_duplicate=False))
-    loss_bytes = torch.finfo(torch.float32).bits // 8  # the mean loss, fp32
     if mesh.sizes["pp"] > 1:
-        entries.append(CommEntry("pp", "broadcast", "runtime", loss_bytes, "loss"))
+        params = dict(executor.model.named_parameters(remove_duplicate=False))
+        entries.append(CommEntry("pp", "broadcast", "runtime",
+                                 tensor_bytes(executor.loss_meta), "loss"))
         entries += [CommEntry("pp", "all_reduce", "runtime", tensor_bytes(params[name]),
                               f"shared {name}") for name, _ in executor.shared_params]
-    return entries, loss_bytes
+    return entries
 
 
-def report_of(step, compiled, unbacked=None) -> CommReport:
-    """The report of one compiled signature of `step` (a `CompiledGraph` or a
-    `PipelineExecutor`), for the rank at `step.mesh.coords`; `unbacked`: see `size`."""
-    from mxgraph.runtime.pipeline import PipelineExecutor
-    if isinstance(compiled, PipelineExecutor):
-        entries, loss_bytes = _pipeline_entries(step, compiled, unbacked)
-    else:
-        entries, loss_bytes = _joint_entries(step, compiled, unbacked)
-    entries += data_parallel_entries(step)
-    if step.mesh.sizes["dp"] > 1:
-        entries.append(CommEntry("dp", "all_reduce", "runtime", loss_bytes, "loss"))
-    notes = [] if step.mesh.sizes["pp"] == 1 else [
-        f"pipeline rank {step.mesh.coords['pp']} of {step.mesh.sizes['pp']} (ranks differ); "
+def report_of(executor: PipelineExecutor, buckets: list[Bucket], zero1: bool,
+              unbacked=None) -> CommReport:
+    """The report of one compiled input signature (its executor) for the rank at
+    `executor.mesh.coords`, with this rank's gradient buckets; `unbacked`: see
+    `comm_graph.size`."""
+    mesh = executor.mesh
+    entries = program_entries(executor, unbacked)
+    if mesh.sizes["dp_cp"] > 1:
+        entries += data_parallel_entries(buckets, zero1)
+    if mesh.sizes["dp"] > 1:
+        entries.append(CommEntry("dp", "all_reduce", "runtime",
+                                 tensor_bytes(executor.loss_meta), "loss"))
+    notes = [] if mesh.sizes["pp"] == 1 else [
+        f"pipeline rank {mesh.coords['pp']} of {mesh.sizes['pp']} (ranks differ); "
         "receives are the peers' sends, not counted twice"]
     return CommReport(entries, notes)
 
 
-def write_comm_dump(step, compiled, directory) -> None:
+def write_comm_dump(report: CommReport, directory) -> None:
     """`comm.txt` in a dump directory: the report's table (see `mxgraph inspect DIR`)."""
-    (directory / "comm.txt").write_text(report_of(step, compiled).table() + "\n")
-
-
-def paper_mesh(plan):
-    """A paper mesh (groups by name only) with the plan's axes; dp None counts as 1."""
-    from mxgraph.runtime.mesh import Mesh
-    return Mesh.on_paper(tp=plan.tp, pp=plan.pp, cp=plan.cp, dp=plan.dp or 1, ep=plan.ep)
+    (directory / "comm.txt").write_text(report.table() + "\n")
 
 
 def comm_report(model: torch.nn.Module, plan, example_args: tuple,
@@ -288,32 +183,16 @@ def comm_report(model: torch.nn.Module, plan, example_args: tuple,
     rows) count at their upper bound, or at `unbacked(upper bound)` when given.
     PlanError when the plan asks for something not built yet (`plan.NOT_BUILT`). `model`
     is left as it was (a copy is compiled: the passes shard parameters)."""
-    from mxgraph.compile import Step, _signature
-    from mxgraph.passes.pipeline import check_pass_names
-    from mxgraph.plan import require_built
-    check_pass_names(plan.disable_passes)
-    require_built(plan)
-    model = copy.deepcopy(model)
-    example_args, example_kwargs = _fake_cpu(model, example_args, example_kwargs or {})
+    check_plan(plan)
+    model, (args, kwargs) = fake_model(copy.deepcopy(model), (tuple(example_args),
+                                                               dict(example_kwargs or {})))
     mesh = paper_mesh(plan)
     mesh.coords["pp"] = pp_rank
-    step = Step(model, plan, mesh)
-    step.prepare(*example_args, **example_kwargs)
-    return report_of(step, step._compiled[_signature(example_args, example_kwargs)], unbacked)
-
-
-def _fake_cpu(model: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Meta tensors (the model's and the inputs) become fake CPU tensors of one fake mode
-    with a ShapeEnv, as `memory_plan` traces: kernels differ on the meta device (e.g. a
-    sum-reduced nll_loss traced on meta lost its gradient, and so every gradient of the
-    context-parallel llama above it)."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    cpu = torch.device("cpu")
-
-    def fake(value):
-        is_meta = isinstance(value, torch.Tensor) and value.is_meta
-        return FakeTensor(mode, value, cpu) if is_meta else value
-    model._apply(fake)
-    return torch.utils._pytree.tree_map(fake, (tuple(args), dict(kwargs)))
+    ctx = CompileContext.for_plan(plan, mesh=mesh)
+    compilation = compile_step(model, plan, mesh, ctx, args, kwargs)
+    buckets = bucket_layout(compilation.executor.model_parameters(),
+                            compilation.expert_param_ids, plan, mesh)
+    report = report_of(compilation.executor, buckets, plan.zero1, unbacked)
+    if ctx.dump_dir is not None:
+        write_comm_dump(report, ctx.dump_dir)
+    return report

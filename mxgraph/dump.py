@@ -36,12 +36,21 @@ def node_rows(gm: torch.fx.GraphModule) -> list[list[str]]:
     return rows
 
 
-def write_dump(directory: Path, index: int, name: str, gm: torch.fx.GraphModule,
-               summary_line: str) -> None:
+def write_dump(directory: Path, index: int, name: str,
+               graphs: list[tuple[str, torch.fx.GraphModule]], summary_line: str) -> None:
+    """One entry for a step: the code of each graph it left (under a `# ---- label`
+    line when there are several) and their nodes (names prefixed `label:`)."""
     entry = directory / f"{index:02d}_{name}"
     entry.mkdir(parents=True, exist_ok=True)
-    (entry / "code.py").write_text(gm.code)
-    (entry / "nodes.tsv").write_text("\n".join("\t".join(r) for r in node_rows(gm)) + "\n")
+    several = len(graphs) > 1
+    code, rows = [], []
+    for label, gm in graphs:
+        code.append(f"# ---- {label}\n{gm.code}" if several else gm.code)
+        table = node_rows(gm)
+        rows += ([] if rows else table[:1]) + [
+            [f"{label}:{r[0]}" if several else r[0]] + r[1:] for r in table[1:]]
+    (entry / "code.py").write_text("\n".join(code))
+    (entry / "nodes.tsv").write_text("\n".join("\t".join(r) for r in rows) + "\n")
     with open(directory / "summary.txt", "a") as f:
         f.write(summary_line + "\n")
 

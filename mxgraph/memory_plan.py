@@ -22,21 +22,29 @@ Per rank (one per pipeline stage; TP/CP/DP/EP peers hold the same amounts):
 * **transient** - the traced graph's liveness peak minus parameters and saved values: the
   working set of one micro-batch's forward and backward (logits included).
 
-Saved bytes per layer come from the real compiler path: the model is rebuilt with 1 dense
+Saved bytes per layer come from the compiler itself: the model is rebuilt with 1 dense
 (+1 MoE) layer at full width on the meta device, its parameters turned into CPU fake
-tensors, captured, its joint graph derived, the remat and offload passes applied under the
-plan's policy (per stage), and the saved roots grouped by `meta["custom"]["layer"]`.
+tensors (`driver.fake_model`), and compiled by the driver on one paper device under the
+plan's recompute, offload and fusion policy for the stage, through the joint passes (the
+same steps a run takes, stopped before the B/W split); per-layer bytes are differences
+of traces with one more layer of each kind.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from mxgraph.context import CompileContext
+from mxgraph.driver import compile_step, fake_model
+from mxgraph.memory import estimate_peak
 from mxgraph.memory_saved import node_bytes, saved_roots, size_hints
+from mxgraph.passes.remat import apply_remat
+from mxgraph.passes.remat_regions import Graph, all_units, norm_units, op_name
 from mxgraph.plan import Plan
+from mxgraph.runtime.mesh import Mesh
+from mxgraph.schedules import build_schedule, simulate
 
 _GiB = 2 ** 30
 
@@ -82,41 +90,23 @@ def _trace_saved(config, plan: Plan, batch_size: int, seq_len: int, dtype: torch
                  stage: int, flash_attention: bool = True, **overrides
                  ) -> tuple[int, int, int, int]:
     """(device saved bytes, host bytes, bytes of norm outputs/residuals, transient) of one
-    micro-batch for `config` with `overrides` (e.g. fewer layers), under the plan's policy."""
+    micro-batch for `config` with `overrides` (e.g. fewer layers), under the plan's policy:
+    the driver compiles it on one paper device through the joint passes (with
+    `flash_attention`, math attention is recomputed right after remat, before offload)."""
     import models
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    from mxgraph.capture import capture, slot_tensor
-    from mxgraph.context import CompileContext
-    from mxgraph.joint import _GraphModule
-    from mxgraph.memory import estimate_peak
-    from mxgraph.passes.offload import offload_pass
-    from mxgraph.passes.remat import remat_pass
-    from mxgraph.passes.remat_regions import Graph, norm_units
-
     small = dataclasses.replace(config, **overrides)
-    model = models.build_from_config(small, device="meta", dtype=dtype)
-    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    cpu = torch.device("cpu")
-    model._apply(lambda t: FakeTensor(mode, t, cpu) if t.is_meta else t)
-    with mode:
-        tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
-    forward = capture(model, (tokens, tokens), {})
-    named = (dict(model.named_parameters(remove_duplicate=False)),
-             dict(model.named_buffers(remove_duplicate=False)))
-    holder = _GraphModule(forward, [slot_tensor(slot, named, forward.constants)
-                                    for slot in forward.slots if slot.kind != "input"])
-    with contextlib.ExitStack() as stack:
-        gm = aot_export_joint_with_descriptors(stack, holder, (tokens, tokens)).graph_module
-    policy = dataclasses.replace(plan, recompute=plan.recompute_stages.get(stage, plan.recompute),
-                                 recompute_stages={}, memory_budget=None)
-    ctx = CompileContext(plan=policy)
-    gm = remat_pass(gm, ctx)
-    if flash_attention:
-        _as_flash_attention(gm)
-    gm = offload_pass(gm, ctx)
+    tokens = torch.zeros(batch_size, seq_len, dtype=torch.long, device="meta")
+    model, tokens = fake_model(models.build_from_config(small, device="meta", dtype=dtype),
+                               tokens)
+    policy = dataclasses.replace(
+        Plan(), recompute=plan.recompute_stages.get(stage, plan.recompute),
+        offload=plan.offload, offload_prefetch=plan.offload_prefetch, fusion=plan.fusion,
+        disable_passes=plan.disable_passes)
+    mesh = Mesh.on_paper()
+    after = {"remat": lambda c: _as_flash_attention(c.joints[0].gm)} if flash_attention else {}
+    compilation = compile_step(model, policy, mesh, CompileContext(plan=policy, mesh=mesh),
+                               (tokens, tokens), {}, stop_after="dead_code", after=after)
+    gm = compilation.joints[0].gm
     hints = size_hints(gm)
     device, host = saved_roots(gm)
     replicated = set().union(*norm_units(Graph(gm)), set())
@@ -131,8 +121,6 @@ def _as_flash_attention(gm) -> None:
     """Math attention (softmax between two bmms: what the CPU trace picks when q/k and v
     head dims differ, as in MLA) saves S x S matrices that a fused attention kernel never
     stores: recompute those units, as flash attention's backward does."""
-    from mxgraph.passes.remat import apply_remat
-    from mxgraph.passes.remat_regions import all_units, op_name
     nodes = set()
     for unit in all_units(gm, {"attn"}):
         names = {op_name(n) for n in unit.nodes}
@@ -185,7 +173,6 @@ def in_flight(plan: Plan) -> dict[int, float]:
     """Micro-batches whose activations a pipeline rank holds at its peak."""
     if plan.pp == 1:
         return {0: 1.0}
-    from mxgraph.schedules import build_schedule, simulate
     schedule = build_schedule(plan.schedule, pp=plan.pp, num_microbatches=plan.micro_batches,
                               vpp=plan.vpp if plan.vpp > 1 else None)
     peak = simulate(schedule).peak_activations

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
+from mxgraph.capture import flat_inputs, model_tensors, slot_tensor
 from mxgraph.cost import concrete, tensor_meta
 
 aten = torch.ops.aten
@@ -217,15 +218,20 @@ def measure_saved(gm: torch.fx.GraphModule, args: list) -> SavedSummary:
 
 
 def measure_step(step, *args) -> SavedSummary:
-    """Measure the saved activations of a compiled `Step` (after its first call)."""
-    from mxgraph.capture import flat_inputs
-    from mxgraph.compile import _signature
-    compiled = step.compiled_graph(*args) if hasattr(step, "compiled_graph") else \
-        step._compiled[_signature(args, {})]
-    inputs = compiled.arguments(step.model, flat_inputs(args, {}))
-    tangent = [i for i, s in enumerate(compiled.joint.inputs) if s.kind == "tangent"][0]
-    inputs[tangent] = torch.ones((), dtype=torch.float32, device=inputs[0].device)
-    return measure_saved(compiled.joint.gm, inputs)
+    """Measure the saved activations of a compiled step without pipelining (its one
+    stage's joint graph after the joint passes), for inputs `args`."""
+    executor = step.compiled(*args)
+    (runtime,) = executor.stages.values()
+    tensors, flat = model_tensors(step.model), flat_inputs(args, {})
+    inputs = []
+    for slot in runtime.joint.inputs:
+        if slot.kind == "tangent":
+            inputs.append(torch.ones((), dtype=executor.loss_meta.dtype, device=step.mesh.device))
+        elif slot.kind == "input":
+            inputs.append(flat[runtime.user_inputs[slot.key]])
+        else:
+            inputs.append(slot_tensor(slot, tensors, runtime.constants))
+    return measure_saved(runtime.joint.gm, inputs)
 
 
 def relative_gap(estimate: int, measured: int) -> float:

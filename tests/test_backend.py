@@ -4,6 +4,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 SCRIPT = textwrap.dedent("""
     import copy, sys, torch
@@ -67,3 +68,40 @@ def test_backend_matches_eager(name):
 
 def test_backend_handles_graph_breaks():
     assert "BREAK OK" in run(GRAPH_BREAK)
+
+
+class Counting(torch.nn.Module):
+    """Mutates a buffer in forward: AOTAutograd cannot export the region as a function."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return self.lin(x).square().mean()
+
+
+def test_backend_falls_back_loudly(tmp_path, monkeypatch):
+    """A region without a functional form runs without the forward passes: a warning names
+    the reason, the dump summary counts it, MXGRAPH_STRICT=1 raises instead."""
+    import mxgraph as mx
+    from mxgraph.backend import BackendFallbackWarning
+    from mxgraph.dump import read_summary
+    from mxgraph.errors import TraceError
+    monkeypatch.delenv("MXGRAPH_STRICT", raising=False)
+    torch._dynamo.reset()
+    plan = mx.Plan(dump_dir=str(tmp_path))
+    with pytest.warns(BackendFallbackWarning, match="mutates"):
+        loss = torch.compile(Counting(), backend="mxmaca", options={"plan": plan})(
+            torch.randn(2, 4))
+    loss.backward()
+    summaries = [r for d in tmp_path.iterdir() if d.is_dir() for r in read_summary(d)]
+    assert [r["pass"] for r in summaries].count("fallback") == 1
+    torch._dynamo.reset()
+    monkeypatch.setenv("MXGRAPH_STRICT", "1")
+    with pytest.raises(Exception, match="MXGRAPH_STRICT") as raised:
+        torch.compile(Counting(), backend="mxmaca")(torch.randn(2, 4))
+    assert isinstance(raised.value, TraceError) or "TraceError" in str(raised.value)
+    torch._dynamo.reset()

@@ -5,7 +5,7 @@ import models
 import mxgraph as mx
 from mxgraph.cli import main as cli_main
 from mxgraph.dump import read_summary
-from mxgraph.passes.pipeline import ALL_PASSES, FORWARD_PASSES, JOINT_PASSES
+from mxgraph.passes.pipeline import PIPELINE
 from tests.helpers import batch
 
 
@@ -20,8 +20,7 @@ def compile_with_dump(directory, disable=()):
 def test_dump_has_an_entry_per_pass(tmp_path):
     records = compile_with_dump(tmp_path)
     names = [r["pass"] for r in records]
-    assert names == (["capture"] + [s.name for s in FORWARD_PASSES] + ["grad"]
-                     + [s.name for s in JOINT_PASSES])
+    assert names == [s.name for s in PIPELINE]  # one stage: one entry per step
     for r in records:
         entry = tmp_path / f"{r['index']:02d}_{r['pass']}"
         assert "def forward" in (entry / "code.py").read_text()
@@ -43,14 +42,25 @@ def test_env_var_turns_dumps_on(tmp_path, monkeypatch):
     torch.manual_seed(0)
     step = mx.compile(models.build_model("llama-tiny", n_layers=1))
     step(*batch(seq_len=8))
-    assert (tmp_path / "summary.txt").read_text().count("\n") == len(ALL_PASSES) + 2
+    assert (tmp_path / "summary.txt").read_text().count("\n") == len(PIPELINE)
+
+
+def created_by(entry) -> list[str]:
+    rows = [line.split("\t") for line in entry.read_text().splitlines()]
+    column = rows[0].index("created_by")
+    return [row[column] for row in rows[1:]]
 
 
 def test_provenance_marks_created_nodes(tmp_path):
-    compile_with_dump(tmp_path)
+    torch.manual_seed(0)
+    step = mx.compile(models.build_model("llama-tiny", n_layers=1),
+                      mx.Plan(dump_dir=str(tmp_path), fusion=True))
+    step(*batch(seq_len=8))
+    entries = {p.name.split("_", 1)[1]: p / "nodes.tsv" for p in tmp_path.iterdir() if p.is_dir()}
+    fused = created_by(entries["fuse"])
+    assert fused.count("fuse") >= 4  # rmsnorm x3, rope, gqa, swiglu, loss: each a new node
     # remove_noop erases nodes and creates none: nothing may claim it created a node
-    assert "remove_noop" not in (tmp_path / "01_remove_noop" / "nodes.tsv").read_text() \
-        .split("created_by", 1)[1]
+    assert "remove_noop" not in created_by(entries["remove_noop"])
 
 
 def test_inspect_prints_summary_and_diff(tmp_path, capsys):

@@ -178,7 +178,7 @@ def test_residual_gradient_goes_into_the_norm_backward(disabled):
     model = models.build_model("llama-tiny", n_layers=1)
     step = mx.compile(model, mx.Plan(fusion="rmsnorm", disable_passes=disabled))
     step(*batch(seq_len=8))
-    gm = next(iter(step._compiled.values())).joint.gm
+    gm = step.executors()[0].stages[0].joint.gm
     norms = [n for n in gm.graph.nodes if n.target is torch.ops.mxgraph.rmsnorm_backward.default]
     added = [n for n in norms if any(u.args[1] == 0 and any(v.target is torch.ops.aten.add.Tensor
                                                             for v in u.users) for u in n.users)]

@@ -42,7 +42,7 @@ def check_clip(rank, world, model_name, plan_kwargs, model_kwargs=None):
     assert norm.item() > MAX_NORM
     ref_params, scale = dict(reference.named_parameters()), largest_norm(reference, "grad")
     if not step.plan.zero1:
-        assert_like_reference(((n, p.grad, ref_params[n].grad, p) for n, p in step._model_parameters()),
+        assert_like_reference(((n, p.grad, ref_params[n].grad, p) for n, p in step.model_parameters()),
                               step, scale, GRAD_TOL, "clipped grad")
         return
     for bucket in step.data_parallel.buckets:

@@ -22,7 +22,7 @@ def run(name, plan):
     torch.manual_seed(7)
     loss = step(*args)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    gm = next(iter(step._compiled.values())).joint.gm
+    gm = step.executors()[0].stages[0].joint.gm
     torch.manual_seed(7)
     return loss, grads, estimate_saved(gm), measure_step(step, *args), gm
 

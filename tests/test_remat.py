@@ -22,7 +22,7 @@ def run(name: str, plan: mx.Plan, seed: int = 0, **overrides):
     torch.manual_seed(1234)  # dropout draws
     loss = step(*args)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    gm = next(iter(step._compiled.values())).joint.gm
+    gm = step.executors()[0].stages[0].joint.gm
     torch.manual_seed(1234)
     measured = measure_step(step, *args)
     return loss, grads, estimate_saved(gm), measured
@@ -110,7 +110,7 @@ def test_dropout_is_replayed_not_redrawn():
     model = models.build_model("gpt-tiny", **SMALL["gpt-tiny"])
     step = mx.compile(model, mx.Plan(recompute="full"))
     step(*batch(seq_len=16))
-    gm = next(iter(step._compiled.values())).joint.gm
+    gm = step.executors()[0].stages[0].joint.gm
     random = [n for n in gm.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
     assert len(random) == 1 + 2 * 2 * 2 - 2  # embedding + 3 per layer (attn, 2 BDA)
     replays = [n for n in gm.graph.nodes if n.meta.get("recomputed_from") and

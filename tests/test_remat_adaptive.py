@@ -8,7 +8,8 @@ import torch
 import models
 import mxgraph as mx
 from mxgraph.plan import MoEOptions
-from mxgraph.runtime.adaptive import (AdaptiveMoEStep, count_tokens_per_rank, tokens_per_rank,
+from mxgraph.step_adaptive import AdaptiveMoEStep
+from mxgraph.runtime.adaptive import (count_tokens_per_rank, tokens_per_rank,
                                       variant_plans)
 from tests.helpers import batch
 
@@ -63,7 +64,7 @@ def test_switch_exactly_at_threshold_and_same_numerics(caplog):
         decision = step.decisions[-1]
         assert decision["variant"] == expected and decision["max_tokens"] == peak
         assert expected in caplog.text and f"threshold {threshold}" in caplog.text
-        assert all(len(s._compiled) == 1 for s in step.variants.values())  # both ahead
+        assert all(len(s.executors()) == 1 for s in step.variants.values())  # both ahead
         results[expected] = (loss, {n: p.grad.clone() for n, p in model.named_parameters()
                                     if p.grad is not None})
     (loss_a, grads_a), (loss_b, grads_b) = results["fast"], results["recompute"]

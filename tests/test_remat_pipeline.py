@@ -14,7 +14,7 @@ def _step_results(plan_kwargs, tokens, targets):
     step = mx.compile(model, mx.Plan(pp=2, micro_batches=2, **plan_kwargs))
     loss = step(tokens, targets)
     grads = {n: p.grad.clone() for n, p in step.named_parameters() if p.grad is not None}
-    executor = next(iter(step._compiled.values()))
+    executor = step.executors()[0]
     kept = {}  # stage -> bytes the F program hands to B/W (what the stage keeps)
     for stage, rt in executor.stages.items():
         programs = rt.programs

@@ -143,3 +143,13 @@ def test_nproc_2_tp2_resume_from_disk_continues_exactly(tmp_path):
     resumed = run(f"resume-{tmp_path.name}", "--steps", "4", "--resume")
     straight = run(f"straight-{tmp_path.name}", "--steps", "4")
     assert resumed and resumed[0].split("|")[:2] == straight[0].split("|")[:2]
+
+
+def test_train_with_adaptive_moe_recompute(tmp_path, capsys):
+    """`mxgraph train` on an AdaptiveMoEStep (it used to fail: the step had no .mesh)."""
+    plan = tmp_path / "adaptive.toml"
+    plan.write_text("[moe]\nadaptive_recompute_threshold = 64\n")
+    assert cli_main(["train", "--model", "moe-tiny", "--plan", str(plan), "--steps", "2",
+                     "--batch-size", "2", "--seq-len", "16", "--val-batches", "1",
+                     "--no-progress"]) == 0
+    assert "validation loss" in capsys.readouterr().out

@@ -1,8 +1,12 @@
-"""The pass pipeline, in order, one line each with why it sits there.
+"""The compile pipeline, in order, one line each with why it sits there.
 
-Forward passes rewrite the forward graph before autograd, so fused ops and collectives
-get their backward derived by AOTAutograd; joint passes rewrite the forward+backward
-graph (memory, overlap). Names are unique; `Plan.disable_passes` may name any of them.
+`PIPELINE` is every step the driver runs (`mxgraph/driver.py`), for every caller:
+structural steps (phase "step": capture, shard materialisation, stage split, grad, B/W
+split, codegen; `steps.py`) and graph passes. Forward passes rewrite the forward graph
+before autograd, so fused ops and collectives get their backward derived by AOTAutograd;
+joint passes rewrite each stage's forward+backward graph (memory, overlap). Names are
+unique; `Plan.disable_passes` may name any graph pass (structural steps cannot be
+disabled); `stop_after=` any step.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from mxgraph.passes.runner import PassSpec
 from mxgraph.passes.shard_ep import shard_ep_pass
 from mxgraph.passes.shard_cp import shard_cp_pass
 from mxgraph.passes.shard_tp import shard_tp_pass
+from mxgraph.passes.steps import (capture_step, codegen_step, grad_step, shard_parameters_step,
+                                  split_bw_step, split_stages_step)
 
 FORWARD_PASSES = [
     PassSpec("remove_noop", remove_noop_pass, "forward",
@@ -28,7 +34,8 @@ FORWARD_PASSES = [
              "before fusion and autograd: collectives get their conjugates derived, and "
              "fused ops see local shapes"),
     PassSpec("fuse", fuse_pass, "forward",
-             "before autograd: AOTAutograd derives each fused op's backward from its formula"),
+             "before autograd: AOTAutograd derives each fused op's backward from its formula",
+             adds_random=True),  # a fused bias-dropout-add replaces a dropout
 ]
 
 JOINT_PASSES = [
@@ -45,12 +52,36 @@ JOINT_PASSES = [
              "last: removes what earlier rewrites left unused (keeps random ops)"),
 ]
 
-ALL_PASSES = {spec.name: spec for spec in FORWARD_PASSES + JOINT_PASSES}
+PIPELINE = [
+    PassSpec("capture", capture_step, "step",
+             "first: torch.export traces one micro-batch into a functional forward graph"),
+    *FORWARD_PASSES,
+    PassSpec("shard_parameters", shard_parameters_step, "step",
+             "after the sharding passes chose each parameter's placement: the model's "
+             "parameters become this rank's shards before autograd reads their shapes"),
+    PassSpec("split_stages", split_stages_step, "step",
+             "after the forward passes, so every stage holds rewritten, local-shape ops; one "
+             "stage without pipelining"),
+    PassSpec("grad", grad_step, "step",
+             "per stage of this rank: AOTAutograd derives the joint forward+backward graph"),
+    *JOINT_PASSES,
+    PassSpec("split_bw", split_bw_step, "step",
+             "after the joint passes: F, B and W programs of the final joint graph"),
+    PassSpec("codegen", codegen_step, "step",
+             "last: Python code for each program, and this rank's executor"),
+]
+
+ALL_PASSES = {spec.name: spec for spec in PIPELINE}
 
 
 def check_pass_names(names) -> None:
-    """PlanError for a name in `disable_passes` that is no pass."""
+    """PlanError for a name in `disable_passes` that is no graph pass."""
     unknown = [n for n in names if n not in ALL_PASSES]
     if unknown:
         raise PlanError(f"disable_passes: unknown pass name(s) {unknown}; "
-                        f"known: {sorted(ALL_PASSES)}")
+                        f"known: {sorted(n for n, s in ALL_PASSES.items() if not s.required)}")
+    required = [n for n in names if ALL_PASSES[n].required]
+    if required:
+        raise PlanError(f"disable_passes: {required} build what later steps need and cannot "
+                        f"be disabled; disable a graph pass instead (known: "
+                        f"{sorted(n for n, s in ALL_PASSES.items() if not s.required)})")

@@ -1,11 +1,14 @@
-"""One runner wraps every pass: skip by name, time, provenance, invariants, dump.
+"""One runner wraps every step of the driver: skip by name, time, provenance, invariants,
+dump.
 
-`run_pass(spec, gm, ctx)`:
+`run_pass(spec, gm, ctx)`, for a graph pass (`gm -> gm`):
   * returns `gm` untouched when `spec.name` is in `plan.disable_passes`;
   * tags every node the pass created with meta["created_by"] = pass name;
-  * checks invariants (fx lint; every functional collective has a wait_tensor user; the
-    pass introduced no mutating op) and raises `PassError` naming the pass;
+  * checks invariants (`invariants.py`: fx lint, collectives, new nodes' meta, random
+    ops, aliasing) and raises `PassError` naming the pass;
   * appends a record to `ctx.records` and, with a dump dir, writes the dump.
+`run_step(spec, compilation, ctx)`, for a structural step (capture, grad, split, codegen:
+`steps.py`): times it, lints the graphs it produced, records and dumps them.
 """
 from __future__ import annotations
 
@@ -16,88 +19,95 @@ from typing import Callable
 import torch
 from torch.fx import GraphModule
 
-from mxgraph.comm import graph_comm_bytes
+from mxgraph.comm_graph import graph_comm_bytes
 from mxgraph.context import CompileContext
 from mxgraph.cost import graph_cost
 from mxgraph.dump import write_dump
 from mxgraph.memory import estimate_peak
+from mxgraph.passes.invariants import (PassError, aliased_outputs, check_aliases, check_graph,
+                                       check_new_nodes)
 
-
-class PassError(RuntimeError):
-    """A pass broke an invariant of the graph."""
+__all__ = ["PassError", "PassSpec", "record_graphs", "run_pass", "run_step"]
 
 
 @dataclass(frozen=True)
 class PassSpec:
     name: str
-    fn: Callable[[GraphModule, CompileContext], GraphModule]
-    phase: str  # "forward" (before autograd) or "joint" (forward+backward graph)
+    fn: Callable
+    """A graph pass `fn(gm, ctx) -> gm` (phase "forward" or "joint"), or a structural step
+    `fn(compilation, ctx) -> [(label, gm), ...]` (phase "step")."""
+    phase: str  # "forward" (before autograd), "joint" (forward+backward graph) or "step"
     why: str  # why it sits where it does in the pipeline
+    adds_random: bool = False
+    """The pass may create random ops (a fused dropout); others may not (`invariants.py`)."""
+
+    @property
+    def required(self) -> bool:
+        """Structural steps build what later steps read: they cannot be disabled."""
+        return self.phase == "step"
 
 
-def run_pass(spec: PassSpec, gm: GraphModule, ctx: CompileContext) -> GraphModule:
+def run_step(spec: PassSpec, compilation, ctx: CompileContext) -> None:
+    """Run a structural step; lint, record and dump the graphs it returns."""
+    start = time.perf_counter()
+    graphs = spec.fn(compilation, ctx)
+    elapsed = time.perf_counter() - start
+    for label, gm in graphs:
+        check_graph(gm, f"{spec.name} ({label})")
+    record_graphs(ctx, spec.name, spec.phase, graphs, elapsed)
+
+
+def run_pass(spec: PassSpec, gm: GraphModule, ctx: CompileContext,
+             label: str = "") -> GraphModule:
+    """Run a graph pass on one graph (`label`: which one, e.g. "stage1" of a pipeline)."""
     if spec.name in ctx.plan.disable_passes:
         return gm
-    before = set(gm.graph.nodes)
+    before, aliased = set(gm.graph.nodes), aliased_outputs(gm)
     start = time.perf_counter()
     result = spec.fn(gm, ctx)
     elapsed = time.perf_counter() - start
-    for node in result.graph.nodes:
-        if node not in before:
-            node.meta.setdefault("created_by", spec.name)
-    check_invariants(result, spec.name, new_nodes=[n for n in result.graph.nodes
-                                                   if n not in before])
+    new_nodes = [n for n in result.graph.nodes if n not in before]
+    for node in new_nodes:
+        node.meta.setdefault("created_by", spec.name)
+    where = f"{spec.name} ({label})" if label else spec.name
+    check_graph(result, where)
+    check_new_nodes(new_nodes, where, ctx.mesh, spec.adds_random)
+    check_aliases(result, aliased, where)
     result.recompile()
-    record(ctx, spec.name, spec.phase, result, elapsed)
+    record_graphs(ctx, spec.name, spec.phase, [(label, result)], elapsed)
     return result
 
 
-def record(ctx: CompileContext, name: str, phase: str, gm: GraphModule,
-           elapsed: float) -> dict:
-    """Summarise the graph after a pass (or after capture/grad) and dump it."""
-    flops, moved, unknown = graph_cost(gm)
-    peak, resident = estimate_peak(gm)
-    comm = graph_comm_bytes(gm)
+def record_graphs(ctx: CompileContext, name: str, phase: str,
+                  graphs: list[tuple[str, GraphModule]], elapsed: float,
+                  **extra) -> dict:
+    """Summarise the graphs a step left (sums over them; the largest peak) and dump them:
+    one record and one dump entry per step run. `extra`: more summary fields."""
+    flops = moved = peak = resident = 0
+    unknown: list[str] = []
+    comm: dict[str, int] = {}
+    for _, gm in graphs:
+        cost = graph_cost(gm)
+        flops, moved = flops + cost[0], moved + cost[1]
+        unknown += [op for op in cost[2] if op not in unknown]
+        graph_peak = estimate_peak(gm)
+        peak, resident = max(peak, graph_peak[0]), max(resident, graph_peak[1])
+        for kind, value in graph_comm_bytes(gm).items():
+            comm[kind] = comm.get(kind, 0) + value
+    labels = [label for label, _ in graphs if label]
     rec = {"index": ctx.pass_index, "pass": name, "phase": phase,
-           "nodes": len(gm.graph.nodes), "flops": flops, "bytes": moved,
-           "peak_mem": peak, "resident": resident, "unknown_ops": unknown,
-           "time_ms": round(elapsed * 1e3, 2), "comm": comm}
+           "graphs": ",".join(labels) or "-",
+           "nodes": sum(len(gm.graph.nodes) for _, gm in graphs), "flops": flops,
+           "bytes": moved, "peak_mem": peak, "resident": resident, "unknown_ops": unknown,
+           "time_ms": round(elapsed * 1e3, 2), "comm": comm, **extra}
     ctx.records.append(rec)
     if ctx.dump_dir is not None:
-        line = (f"{rec['index']:02d} {name} phase={phase} nodes={rec['nodes']} "
-                f"flops={flops} bytes={moved} peak_mem={peak} resident={resident} "
-                f"unknown_ops={','.join(unknown) or '-'} time_ms={rec['time_ms']} " +
-                " ".join(f"comm_{kind}={value}" for kind, value in comm.items()))
-        write_dump(ctx.dump_dir, ctx.pass_index, name, gm, line)
+        line = (f"{rec['index']:02d} {name} phase={phase} graphs={rec['graphs']} "
+                f"nodes={rec['nodes']} flops={flops} bytes={moved} peak_mem={peak} "
+                f"resident={resident} unknown_ops={','.join(unknown) or '-'} "
+                f"time_ms={rec['time_ms']} " +
+                " ".join([f"{key}={value}" for key, value in extra.items()] +
+                         [f"comm_{kind}={value}" for kind, value in comm.items()]))
+        write_dump(ctx.dump_dir, ctx.pass_index, name, graphs, line)
     ctx.pass_index += 1
     return rec
-
-
-def is_collective(node: torch.fx.Node) -> bool:
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and target.namespace == "_c10d_functional" and
-            target.overloadpacket is not torch.ops._c10d_functional.wait_tensor)
-
-
-def check_invariants(gm: GraphModule, pass_name: str, new_nodes=()) -> None:
-    try:
-        gm.graph.lint()
-    except Exception as error:  # noqa: BLE001 - re-raised with the pass name
-        raise PassError(f"pass {pass_name} left a malformed graph: {error}") from error
-    waits = torch.ops._c10d_functional.wait_tensor.default
-    for node in gm.graph.nodes:
-        if is_collective(node):
-            users = [u for u in node.users]
-            # multi-output collectives are read through getitem, each waited on
-            leaves = [v for u in users for v in (u.users if u.target is not waits and
-                                                 not isinstance(u.target,
-                                                                torch._ops.OpOverload)
-                                                 else [u])]
-            if not any(getattr(u, "target", None) is waits for u in leaves):
-                raise PassError(f"pass {pass_name}: collective {node.name} has no wait_tensor")
-    for node in new_nodes:
-        target = node.target
-        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
-            raise PassError(f"pass {pass_name} introduced the mutating op {target} "
-                            f"({node.name}); graphs stay functional until codegen")

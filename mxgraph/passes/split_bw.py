@@ -1,47 +1,23 @@
 """B/W split: cut a stage's joint graph into forward (F), input-gradient (B) and
 weight-gradient (W) programs.
 
-  * F: nodes that need no incoming gradient and that the forward outputs depend on;
+  * F: nodes that need no incoming gradient and that the forward outputs depend on, and
+    every node the joint computes before its first backward node;
   * B: gradient nodes the input gradients depend on (what the previous stage waits for);
   * W: the remaining gradient nodes (parameter gradients), run whenever the schedule
     finds room — the zero-bubble idea.
-Nodes that need no incoming gradient but feed only B or W (a weight's transpose, say)
-are computed in the program that reads them. Values flow between programs by node:
+Other nodes that need no incoming gradient and feed only B or W (a weight's transpose, a
+value remat recomputes) are computed in the program that reads them. Values flow between programs by node:
 each `Program` names the joint-graph nodes it reads and writes, and the executor keeps
 one `dict[Node, Tensor]` per (stage, micro-batch). Numerics: bitwise equal to the joint.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch.fx import Graph, GraphModule, Node
 
 from mxgraph.joint import JointGraph
-
-
-@dataclass
-class Program:
-    """A piece of a joint graph: reads `inputs` and writes `outputs` (joint nodes)."""
-
-    gm: GraphModule
-    inputs: list[Node]
-    outputs: list[Node]
-
-    def run(self, env: dict[Node, torch.Tensor]) -> None:
-        values = self.gm(*[env[n] for n in self.inputs])
-        env.update(zip(self.outputs, values))
-
-
-@dataclass
-class StagePrograms:
-    forward: Program
-    backward_input: Program  # B
-    backward_weight: Program  # W
-    placeholders: list[Node]  # joint placeholders, in JointGraph.inputs order
-    forward_outputs: list[Node]
-    input_grads: dict[int, Node]  # activation index -> its gradient node
-    param_grads: list[tuple[str, Node]]  # (parameter name, gradient node)
+from mxgraph.runtime.programs import Program, StagePrograms
 
 
 def _ancestors(roots, stop) -> set[Node]:
@@ -77,6 +53,13 @@ def split_bw(joint: JointGraph, num_activations: int) -> StagePrograms:
             param_grads.append((slot.key, grad))
     placeholder_set = set(placeholders)
     f_nodes = _ancestors(forward_outputs, placeholder_set)
+    # what the joint computes before its first backward node stays in F (a value moved to
+    # the host by the offload pass, say), so F + B + W run the joint's order
+    for node in gm.graph.nodes:
+        if node.meta.get("partitioner_tag") == "is_backward":
+            break
+        if node.op == "call_function" and node not in needs_tangent:
+            f_nodes.add(node)
     b_nodes = _ancestors(input_grads.values(), placeholder_set | f_nodes)
     w_nodes = _ancestors([g for _, g in param_grads], placeholder_set | f_nodes | b_nodes)
     # a random op must run once, in F, so B and W see the values F drew

@@ -85,14 +85,15 @@ def layer_stages(gm: GraphModule, num_stages: int, layout: str | None,
 
 def assign_stages(gm: GraphModule, num_stages: int, layout: str | None = None,
                   empty_layers: tuple[int, int] | None = None) -> dict[Node, int]:
-    """The stage of every call_function node."""
-    by_layer = layer_stages(gm, num_stages, layout, empty_layers)
+    """The stage of every call_function node (all 0 for one stage: a model without
+    repeated layers is one stage)."""
+    by_layer = layer_stages(gm, num_stages, layout, empty_layers) if num_stages > 1 else {}
     stage_of, current = {}, 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         layer = (node.meta.get("custom") or {}).get("layer")
-        if layer is not None:
+        if layer is not None and by_layer:
             current = by_layer[layer]
         stage_of[node] = current
         node.meta["custom"] = {**node.meta.get("custom", {}), "stage": current}

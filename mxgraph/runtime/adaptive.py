@@ -1,7 +1,7 @@
 """MoE adaptive recompute: pick, before each step, the fast or the recompute variant.
 
-`Plan(moe=MoEOptions(adaptive_recompute_threshold=N))`: both variants are compiled ahead
-(on the first call for an input signature):
+`Plan(moe=MoEOptions(adaptive_recompute_threshold=N))`: `mxgraph.step_adaptive.AdaptiveMoEStep`
+compiles both variants ahead (on the first call for an input signature):
   * fast: the plan's recompute policy without MoE kinds;
   * recompute: the same plus the plan's MoE kinds (`moe_light|medium|full`; `moe_full`
     when the plan names none).
@@ -10,7 +10,8 @@ would reach each EP rank (experts split contiguously over `ep` ranks, as Megatro
 them out; on one device the caller may still pass the `ep` it plans to use). When the
 largest count of any MoE layer on any rank is above N, the recompute variant runs (more
 tokens mean more activation memory); else the fast one. Each decision is logged (logger
-`mxgraph.adaptive`) and appended to `AdaptiveMoEStep.decisions`.
+`mxgraph.adaptive`) and appended to `AdaptiveMoEStep.decisions`. This module holds the
+counting and the two plans; the step lives above the driver.
 
 Counting runs the model's router eagerly (`model.expert_counts(tokens)`, one forward
 without autograd): a cost of about one extra forward per step on the CPU reference path.
@@ -57,42 +58,3 @@ def variant_plans(plan: Plan) -> tuple[Plan, Plan]:
     fast = dataclasses.replace(plan, recompute=",".join(dense), moe=moe_opts)
     slow = dataclasses.replace(plan, recompute=",".join(dense + moe), moe=moe_opts)
     return fast, slow
-
-
-class AdaptiveMoEStep:
-    """A compiled step that switches MoE layers to recompute on heavy routing steps."""
-
-    def __init__(self, model: torch.nn.Module, plan: Plan, ep: int | None = None):
-        from mxgraph.compile import Step
-        self.model = model
-        self.plan = plan
-        self.threshold = plan.moe.adaptive_recompute_threshold
-        self.ep = ep or plan.ep
-        fast, slow = variant_plans(plan)
-        self.variants = {"fast": Step(model, fast), "recompute": Step(model, slow)}
-        self.decisions: list[dict] = []
-
-    def parameters(self):
-        return self.model.parameters()
-
-    def named_parameters(self):
-        return self.model.named_parameters()
-
-    def decide(self, tokens: torch.Tensor) -> dict:
-        counts = count_tokens_per_rank(self.model, tokens, self.ep)
-        peak = int(counts.max()) if counts.numel() else 0
-        heavy = peak > self.threshold
-        variant = "recompute" if heavy else "fast"
-        reason = (f"max tokens on one EP rank = {peak} "
-                  f"{'>' if heavy else '<='} threshold {self.threshold} (ep={self.ep})")
-        return {"step": len(self.decisions), "max_tokens": peak, "threshold": self.threshold,
-                "variant": variant, "reason": reason}
-
-    def __call__(self, tokens, *args, **kwargs) -> torch.Tensor:
-        decision = self.decide(tokens)
-        self.decisions.append(decision)
-        log.info("step %d runs the %s variant: %s", decision["step"], decision["variant"],
-                 decision["reason"])
-        for step in self.variants.values():  # compile both ahead, for this signature
-            step.prepare(tokens, *args, **kwargs)
-        return self.variants[decision["variant"]](tokens, *args, **kwargs)

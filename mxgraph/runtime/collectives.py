@@ -47,7 +47,7 @@ plan for thousands of ranks on the meta device in one process names groups like
 "fake:tp:8" here instead of creating them."""
 
 
-def _group(name: str):
+def process_group(name: str):
     return _resolve_process_group(name)
 
 
@@ -55,13 +55,13 @@ def group_size(name: str) -> int:
     """The number of ranks in group `name` (a real process group, or one in GROUP_SIZES)."""
     if name in GROUP_SIZES:
         return GROUP_SIZES[name]
-    return dist.get_world_size(_group(name))
+    return dist.get_world_size(process_group(name))
 
 
 def all_reduced(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """A contiguous copy of `x` summed over the group (the body of every all-reduce op)."""
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=_group(group_name))
+    dist.all_reduce(out, group=process_group(group_name))
     return out
 
 
@@ -101,7 +101,7 @@ def tp_copy(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 @torch.library.custom_op("mxgraph::tp_all_gather", mutates_args=())
 def tp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    group = _group(group_name)
+    group = process_group(group_name)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format)
              for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x.contiguous(), group=group)
@@ -110,7 +110,7 @@ def tp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 
 @torch.library.custom_op("mxgraph::tp_slice", mutates_args=())
 def tp_slice(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    group = _group(group_name)
+    group = process_group(group_name)
     return x.chunk(dist.get_world_size(group), dim)[dist.get_rank(group)].clone(
         memory_format=torch.contiguous_format)
 
@@ -122,7 +122,7 @@ def sp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 
 @torch.library.custom_op("mxgraph::sp_reduce_scatter", mutates_args=())
 def sp_reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    group = _group(group_name)
+    group = process_group(group_name)
     parts = [p.contiguous() for p in x.chunk(dist.get_world_size(group), dim)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)

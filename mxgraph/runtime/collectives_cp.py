@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mxgraph.runtime.collectives import (KIND, _group, all_reduced, contiguous_copy, gathered_shape,
+from mxgraph.runtime.collectives import (KIND, process_group, all_reduced, contiguous_copy, gathered_shape,
                                          group_size, same_shape, scattered_shape)
 
 
 def _rank(group_name: str) -> int:
-    return dist.get_rank(_group(group_name))
+    return dist.get_rank(process_group(group_name))
 
 
 def _pieces(x: torch.Tensor, dim: int, cp: int) -> list[torch.Tensor]:
@@ -53,7 +53,7 @@ def cp_unchunk(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 def cp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     cp = group_size(group_name)
     parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(cp)]
-    dist.all_gather(parts, x.contiguous(), group=_group(group_name))
+    dist.all_gather(parts, x.contiguous(), group=process_group(group_name))
     halves = [p.chunk(2, dim) for p in parts]
     order = [halves[i][0] for i in range(cp)] + [halves[cp - 1 - i][1] for i in range(cp)]
     return torch.cat(order, dim)
@@ -67,7 +67,7 @@ def cp_reduce_scatter(x: torch.Tensor, dim: int, group_name: str) -> torch.Tenso
     per_rank = [torch.cat([pieces[r], pieces[2 * cp - 1 - r]], dim).contiguous()
                 for r in range(cp)]
     out = torch.empty_like(per_rank[0])
-    dist.reduce_scatter(out, per_rank, group=_group(group_name))
+    dist.reduce_scatter(out, per_rank, group=process_group(group_name))
     return out
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mxgraph.runtime.collectives import KIND, _group, group_size
+from mxgraph.runtime.collectives import KIND, process_group, group_size
 
 
 def _exchange(rows: torch.Tensor, send_splits: list[int], recv_splits: list[int],
@@ -50,7 +50,7 @@ def _padded(rows: torch.Tensor, out_rows: int) -> torch.Tensor:
 
 @torch.library.custom_op("mxgraph::ep_counts", mutates_args=())
 def ep_counts(counts: torch.Tensor, group_name: str) -> torch.Tensor:
-    group = _group(group_name)
+    group = process_group(group_name)
     ep = dist.get_world_size(group)
     out = counts.new_empty(ep, counts.shape[0] // ep)
     dist.all_to_all_single(out, counts.contiguous().view(ep, -1), group=group)
@@ -72,7 +72,7 @@ def ep_dispatch(x: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.T
     ep, local = recv_counts.shape
     send_splits = send_counts.view(ep, local).sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
-    received = _exchange(x[:sum(send_splits)], send_splits, recv_splits, _group(group_name))
+    received = _exchange(x[:sum(send_splits)], send_splits, recv_splits, process_group(group_name))
     by_expert = [s * local + e for e in range(local) for s in range(ep)]
     return _padded(_blocks(received, recv_counts.flatten().tolist(), by_expert), out_rows)
 
@@ -92,7 +92,7 @@ def ep_combine(y: torch.Tensor, send_counts: torch.Tensor, recv_counts: torch.Te
     recv_splits = recv_counts.sum(1).tolist()
     by_source = [e * ep + s for s in range(ep) for e in range(local)]
     rows = _blocks(y[:sum(recv_splits)], recv_counts.t().flatten().tolist(), by_source)
-    return _padded(_exchange(rows, recv_splits, send_splits, _group(group_name)), out_rows)
+    return _padded(_exchange(rows, recv_splits, send_splits, process_group(group_name)), out_rows)
 
 
 @ep_combine.register_fake

@@ -102,6 +102,14 @@ def build_buckets(named_params, expert_ids: set[int], bucket_bytes: int,
     return buckets
 
 
+def bucket_layout(named_params, expert_ids: set[int], plan, mesh: Mesh) -> list[Bucket]:
+    """This rank's buckets for `plan` on `mesh` (groups "dp"/"edp", or "dp_cp"/"edp_cp"
+    with cp > 1), without allocating anything."""
+    axes = ("dp_cp", "edp_cp") if mesh.sizes["cp"] > 1 else ("dp", "edp")
+    sizes = {axis: mesh.sizes[axis] for axis in axes}
+    return build_buckets(named_params, expert_ids, int(plan.bucket_mb * MiB), sizes, axes)
+
+
 def _bucket(axis: str, members: list, group_size: int) -> Bucket:
     offsets, numel = [], 0
     for _, param in members:
@@ -124,10 +132,7 @@ class DataParallel:
 
     @classmethod
     def build(cls, named_params, expert_ids: set[int], plan, mesh: Mesh) -> "DataParallel":
-        axes = ("dp_cp", "edp_cp") if mesh.sizes["cp"] > 1 else ("dp", "edp")
-        sizes = {axis: mesh.sizes[axis] for axis in axes}
-        buckets = build_buckets(named_params, expert_ids, int(plan.bucket_mb * MiB), sizes, axes)
-        return cls(buckets, mesh, plan.zero1)
+        return cls(bucket_layout(named_params, expert_ids, plan, mesh), mesh, plan.zero1)
 
     def named_shards(self):
         """("zero1.bucket<i>", flat shard) per bucket (ZeRO-1 only)."""
@@ -147,7 +152,7 @@ class DataParallel:
                 self._all_reduce(bucket, flat, dp)
 
     def _all_reduce(self, bucket: Bucket, flat: torch.Tensor, dp: int) -> None:
-        group = self._group(bucket)
+        group = self.process_group(bucket)
         if group is not None:
             dist.all_reduce(flat, group=group)
         flat.div_(dp)
@@ -158,7 +163,7 @@ class DataParallel:
                 param.grad.copy_(grad)
 
     def _reduce_scatter(self, bucket: Bucket, flat: torch.Tensor, dp: int) -> None:
-        group = self._group(bucket)
+        group = self.process_group(bucket)
         if group is None:
             mine = flat.clone()
         else:
@@ -179,7 +184,7 @@ class DataParallel:
         if not self.zero1:
             return
         for bucket in self.buckets:
-            group = self._group(bucket)
+            group = self.process_group(bucket)
             shard = bucket.shard.detach()
             if group is None:
                 flat = shard
@@ -208,12 +213,12 @@ class DataParallel:
         start = self._group_rank(bucket) * bucket.shard_numel
         return torch.nn.Parameter(flat[start:start + bucket.shard_numel].clone())
 
-    def _group(self, bucket: Bucket):
+    def process_group(self, bucket: Bucket):
         """The process group of the bucket's axis; None when it holds this rank alone."""
         return None if bucket.group_size == 1 else self.mesh.group(bucket.axis)
 
     def _group_rank(self, bucket: Bucket) -> int:
-        group = self._group(bucket)
+        group = self.process_group(bucket)
         return 0 if group is None else dist.get_rank(group)
 
 

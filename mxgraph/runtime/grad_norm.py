@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mxgraph.runtime.mesh import default_device
-from mxgraph.runtime.pipeline import PipelineExecutor
 
 
 def clip_grad_norm_(step, max_norm: float) -> torch.Tensor:
+    """`step`: a compiled step (`mxgraph.step.TrainingStep`: its mesh, plan, data-parallel
+    buckets, model parameters and executors)."""
     pieces = list(_gradient_pieces(step))  # (gradient tensor, ranks holding the same values)
-    device = pieces[0][0].device if pieces else default_device()  # nccl reduces device tensors
+    device = pieces[0][0].device if pieces else step.mesh.device  # nccl reduces device tensors
     total = torch.zeros((), dtype=torch.float64, device=device)
     for grad, copies in pieces:
         total += grad.double().square().sum() / copies
@@ -48,7 +48,7 @@ def _gradient_pieces(step):
             for param, piece in data_parallel.shard_pieces(bucket):
                 yield piece, _model_copies(param, holders, sizes)
         return
-    for _, param in step._model_parameters():
+    for _, param in step.model_parameters():
         if param.grad is None:
             continue
         dp_copies = sizes[axis_of[id(param)]] if id(param) in axis_of else 1
@@ -65,5 +65,4 @@ def _pipeline_holders(step) -> dict[int, int]:
     """id(parameter) -> pipeline ranks holding it, for parameters shared across stages."""
     params = dict(step.model.named_parameters(remove_duplicate=False))
     return {id(params[name]): len(ranks)
-            for compiled in step._compiled.values() if isinstance(compiled, PipelineExecutor)
-            for name, ranks in compiled.shared_params}
+            for executor in step.executors() for name, ranks in executor.shared_params}

@@ -12,7 +12,8 @@ on MXMACA).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -32,19 +33,23 @@ class Mesh:
     sizes: dict[str, int]
     coords: dict[str, int]
     device_mesh: object | None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where this rank's tensors live: every tensor the runtime allocates goes here."""
 
     @classmethod
-    def from_plan(cls, plan: Plan, device_type: str = "cpu") -> "Mesh":
+    def from_plan(cls, plan: Plan, device: torch.device | None = None) -> "Mesh":
+        """This rank's mesh for `plan`; `device` defaults to `default_device()`."""
+        device = device or default_device()
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp = plan.resolve_dp(world)
         sizes = _with_merged_axes({"pp": plan.pp, "dp": dp, "cp": plan.cp, "tp": plan.tp,
                                    "ep": plan.ep})
         if world == 1:
-            return cls(sizes, {axis: 0 for axis in sizes}, None)
+            return cls(sizes, {axis: 0 for axis in sizes}, None, device)
         if not dist.is_initialized():
             raise PlanError("a multi-rank plan needs torch.distributed initialised; start "
                             "with torchrun or `mxgraph train --nproc N`")
-        mesh = init_device_mesh(device_type, tuple(sizes[a] for a in MESH_AXES),
+        mesh = init_device_mesh(device.type, tuple(sizes[a] for a in MESH_AXES),
                                 mesh_dim_names=MESH_AXES)
         mesh["edp", "ep"]._flatten(mesh_dim_name="dp")
         if sizes["cp"] > 1:  # gradient buckets reduce over the data and context ranks at once
@@ -54,7 +59,7 @@ class Mesh:
         coords["dp"] = coords["edp"] * sizes["ep"] + coords["ep"]
         coords["dp_cp"] = coords["dp"] * sizes["cp"] + coords["cp"]
         coords["edp_cp"] = coords["edp"] * sizes["cp"] + coords["cp"]
-        return cls(sizes, coords, mesh)
+        return cls(sizes, coords, mesh, device)
 
     @classmethod
     def on_paper(cls, **sizes: int) -> "Mesh":
@@ -107,4 +112,8 @@ def _with_merged_axes(sizes: dict[str, int]) -> dict[str, int]:
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    """This process's GPU (`LOCAL_RANK` of the node's GPUs, as torchrun numbers them) when
+    there is one (`cuda`: NVIDIA, or MetaX under MXMACA), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())

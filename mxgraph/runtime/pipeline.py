@@ -19,13 +19,28 @@ import torch
 import torch.distributed as dist
 
 from mxgraph.capture import model_tensors, slot_tensor
-from mxgraph.codegen.python import accumulate_grad
-from mxgraph.passes.split_bw import StagePrograms
+from mxgraph.errors import PlanError
 from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.programs import StagePrograms, accumulate_grad
 from mxgraph.schedules import (B, BW, F, OVERLAP_F_B, RECV_F, SEND_B, SEND_F, W,
                                Action, Schedule)
 
 _KIND_CODES = {SEND_F: 0, SEND_B: 1}
+
+
+def split_microbatches(inputs: list, num_microbatches: int) -> list[list]:
+    """Chunk every tensor input (the flattened positional and keyword inputs alike) along
+    dim 0; other inputs are shared by all chunks."""
+    chunks = []
+    for value in inputs:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if value.shape[0] % num_microbatches:
+                raise PlanError(f"micro_batches={num_microbatches} does not divide the batch "
+                                f"size {value.shape[0]}; choose a divisor of it")
+            chunks.append(value.chunk(num_microbatches))
+        else:
+            chunks.append([value] * num_microbatches)
+    return [list(mb) for mb in zip(*chunks)]
 
 
 @dataclass
@@ -39,6 +54,9 @@ class StageRuntime:
     activation_meta: list[torch.Tensor]  # fake tensors: shapes of received activations
     output_meta: list[torch.Tensor]  # fake tensors: shapes of this stage's outputs
     constants: dict
+    joint: object = None
+    """The stage's joint graph (`joint.JointGraph`) the programs were cut from, after the
+    joint passes: for analyses (saved activations, communication)."""
 
 
 @dataclass
@@ -56,14 +74,31 @@ class PipelineRun:
 
 
 class PipelineExecutor:
+    """Runs one training step of this rank's stages (see the module docstring); without
+    pipelining, of the one stage, for every micro-batch. Tensors it allocates (receive
+    buffers, missing gradients, the loss of ranks without the last stage) go on
+    `mesh.device`."""
+
     def __init__(self, model: torch.nn.Module, schedule: Schedule,
                  stages: dict[int, StageRuntime], mesh: Mesh,
-                 shared_params: list[tuple[str, set[int]]]):
+                 shared_params: list[tuple[str, set[int]]], loss_meta: torch.Tensor):
         self.model = model
         self.schedule = schedule
         self.stages = stages
         self.mesh = mesh
         self.shared_params = shared_params
+        """(parameter name, pipeline ranks holding it) for parameters several ranks use."""
+        self.loss_meta = loss_meta
+        """The last stage's loss (a fake tensor: its dtype)."""
+
+    def model_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) of the model's parameters this rank's stages read, each once
+        (a tied weight under its first name)."""
+        names = {slot.key for rt in self.stages.values() for slot in rt.slots
+                 if slot.kind == "param"}
+        held = {id(p) for n, p in self.model.named_parameters(remove_duplicate=False)
+                if n in names}
+        return [(n, p) for n, p in self.model.named_parameters() if id(p) in held]
 
     # ---- helpers ----------------------------------------------------------------------
     def _peer(self, stage: int) -> int:
@@ -115,7 +150,9 @@ class PipelineExecutor:
         if stage == 0:
             return
         input_grads = [env[rt.programs.input_grads[i]] if i in rt.programs.input_grads
-                       else torch.zeros_like(rt.activation_meta[i], device="cpu")
+                       else torch.zeros(rt.activation_meta[i].shape,
+                                         dtype=rt.activation_meta[i].dtype,
+                                         device=self.mesh.device)
                        for i in range(rt.num_activations)]
         if self._local(stage - 1):
             run.grads_in[(stage - 1, mb)] = input_grads
@@ -143,7 +180,7 @@ class PipelineExecutor:
             metas, sender, sent_kind = self.stages[stage].activation_meta, stage - 1, SEND_F
         else:
             metas, sender, sent_kind = self.stages[stage].output_meta, stage + 1, SEND_B
-        buffers = [torch.empty(m.shape, dtype=m.dtype) for m in metas]
+        buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.mesh.device) for m in metas]
         for buffer in buffers:
             dist.irecv(buffer, self._peer(sender), tag=self._tag(sent_kind, sender, mb)).wait()
         (run.acts_in if kind == RECV_F else run.grads_in)[(stage, mb)] = buffers
@@ -175,7 +212,7 @@ class PipelineExecutor:
         for work in run.sends:
             work.wait()
         loss = torch.stack([run.losses[m] for m in sorted(run.losses)]).mean() \
-            if run.losses else torch.zeros(())
+            if run.losses else torch.zeros((), dtype=self.loss_meta.dtype, device=self.mesh.device)
         if self.mesh.sizes["pp"] > 1:
             loss = loss.detach().clone()
             dist.broadcast(loss, self._peer(self.schedule.num_stages - 1),

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mxgraph.runtime.collectives import KIND, VOLUME, _group
+from mxgraph.runtime.collectives import KIND, VOLUME, process_group
 
 
 def _vocab_start(logits: torch.Tensor, group_name: str) -> int:
-    return dist.get_rank(_group(group_name)) * logits.shape[-1]
+    return dist.get_rank(process_group(group_name)) * logits.shape[-1]
 
 
 def _target_logit(logits32: torch.Tensor, target: torch.Tensor, start: int):
@@ -31,7 +31,7 @@ def _target_logit(logits32: torch.Tensor, target: torch.Tensor, start: int):
 def vocab_parallel_ce(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                       group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (per-token loss [N] fp32, log-sum-exp [N] fp32, saved for the backward)."""
-    group = _group(group_name)
+    group = process_group(group_name)
     logits32 = logits.float()
     row_max = logits32.amax(-1)
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)

@@ -1,0 +1,148 @@
+"""The driver's structural steps: capture, shard materialisation, stage split, grad, B/W
+split and codegen, each a function `step(compilation, ctx) -> graphs` listed in
+`pipeline.py` beside the graph passes.
+
+A `Compilation` is what the steps build for one input signature on this rank: the forward
+graph, its stages, this rank's stages' joint graphs, their F/B/W programs and the executor.
+Training without pipelining is one stage and one micro-batch: every step runs the same way
+for every plan. Each step returns the graphs it produced, `(label, GraphModule)` pairs, for
+the runner to check, record and dump.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mxgraph.capture import (ForwardGraph, capture, model_tensors, slot_tensor,
+                             whole_parameters)
+from mxgraph.codegen.python import generate
+from mxgraph.context import CompileContext
+from mxgraph.joint import JointGraph, build_joint
+from mxgraph.passes.shard_ep import shard_expert_parameters
+from mxgraph.passes.shard_tp import shard_parameters
+from mxgraph.passes.split_bw import split_bw
+from mxgraph.passes.split_stages import StageGraph, split_stages
+from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.pipeline import PipelineExecutor, StageRuntime
+from mxgraph.runtime.programs import StagePrograms
+from mxgraph.schedules import Schedule
+
+
+@dataclass
+class Compilation:
+    """One input signature's compilation on this rank, as the steps build it."""
+
+    model: torch.nn.Module
+    mesh: Mesh
+    args: tuple
+    kwargs: dict
+    """One micro-batch of the user's inputs (what is traced)."""
+    schedule: Schedule
+    expert_param_ids: set[int] = field(default_factory=set)
+    """ids of the parameters sharded over "ep" (filled by `shard_parameters`)."""
+    forward: ForwardGraph | None = None
+    stage_graphs: list[StageGraph] = field(default_factory=list)
+    """Every stage's forward graph (all ranks split alike)."""
+    joints: dict[int, JointGraph] = field(default_factory=dict)
+    """This rank's stages' joint graphs."""
+    programs: dict[int, StagePrograms] = field(default_factory=dict)
+    executor: PipelineExecutor | None = None
+    source: str = ""
+    """The generated code of this rank's programs (codegen)."""
+
+    def my_stages(self) -> list[int]:
+        return list(self.schedule.stages_of(self.mesh.coords["pp"]))
+
+    def flat_inputs(self) -> list:
+        return torch.utils._pytree.tree_leaves((self.args, self.kwargs))
+
+
+def capture_step(c: Compilation, ctx: CompileContext):
+    """Trace the model on one micro-batch (a sharded model is traced at its whole shapes,
+    so a new input signature shards the graph as the first one did)."""
+    with whole_parameters(c.model, c.mesh, c.expert_param_ids):
+        c.forward = capture(c.model, c.args, c.kwargs)
+    return [("forward", c.forward.gm)]
+
+
+def shard_parameters_step(c: Compilation, ctx: CompileContext):
+    """Replace the model's parameters that the sharding passes split by this rank's
+    shards (tensor- and expert-parallel)."""
+    shard_parameters(c.model, c.forward.gm, ctx)
+    c.expert_param_ids |= shard_expert_parameters(c.model, c.forward.gm, ctx)
+    return [("forward", c.forward.gm)]
+
+
+def split_stages_step(c: Compilation, ctx: CompileContext):
+    """Cut the forward graph into the schedule's stages (one stage without pipelining)."""
+    plan, stages = ctx.plan, c.schedule.num_stages
+    padding = (plan.pp, stages // plan.pp) if plan.empty_layers else None
+    c.stage_graphs = split_stages(c.forward, stages, plan.layout, padding)
+    return [(f"stage{s}", c.stage_graphs[s].forward.gm) for s in c.my_stages()]
+
+
+def grad_step(c: Compilation, ctx: CompileContext):
+    """Derive each of this rank's stages' joint forward+backward graph (AOTAutograd)."""
+    tensors_by_name = model_tensors(c.model)
+    inputs = c.flat_inputs()
+    for stage in c.my_stages():
+        graph = c.stage_graphs[stage]
+        placeholders = list(graph.forward.gm.graph.find_nodes(op="placeholder"))
+        tensors, example = [], []
+        for node, slot in zip(placeholders, graph.forward.slots):
+            if slot.kind != "input":
+                tensors.append(slot_tensor(slot, tensors_by_name, graph.forward.constants))
+            elif slot.key < graph.num_activations:  # zeros of the received value's meta
+                meta = node.meta["val"]
+                example.append(torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
+                               .requires_grad_(meta.is_floating_point()))
+            else:
+                example.append(inputs[graph.user_inputs[slot.key - graph.num_activations]])
+        outputs = graph.forward.gm.graph.find_nodes(op="output")[0].args[0]
+        c.joints[stage] = build_joint(graph.forward, tensors, example,
+                                      num_outputs=len(outputs))
+    return [(f"stage{s}", j.gm) for s, j in c.joints.items()]
+
+
+def split_bw_step(c: Compilation, ctx: CompileContext):
+    """Cut each joint graph into F, B and W programs (bitwise equal to the joint)."""
+    for stage, joint in c.joints.items():
+        c.programs[stage] = split_bw(joint, c.stage_graphs[stage].num_activations)
+    return _program_graphs(c)
+
+
+def codegen_step(c: Compilation, ctx: CompileContext):
+    """Generate each program's Python code and build this rank's executor."""
+    c.source = generate(c.programs, ctx.plan, ctx.dump_dir)
+    runtimes = {}
+    for stage, programs in c.programs.items():
+        graph, joint = c.stage_graphs[stage], c.joints[stage]
+        placeholders = graph.forward.gm.graph.find_nodes(op="placeholder")
+        outputs = graph.forward.gm.graph.find_nodes(op="output")[0].args[0]
+        runtimes[stage] = StageRuntime(
+            programs=programs, slots=joint.inputs, num_activations=graph.num_activations,
+            user_inputs=graph.user_inputs,
+            activation_meta=[n.meta["val"] for n, s in zip(placeholders, graph.forward.slots)
+                             if s.kind == "input" and s.key < graph.num_activations],
+            output_meta=[o.meta["val"] for o in outputs], constants=graph.forward.constants,
+            joint=joint)
+    last = c.stage_graphs[-1].forward.gm.graph.find_nodes(op="output")[0].args[0][0]
+    c.executor = PipelineExecutor(c.model, c.schedule, runtimes, c.mesh,
+                                  _shared_parameters(c), loss_meta=last.meta["val"])
+    return _program_graphs(c)
+
+
+def _program_graphs(c: Compilation):
+    return [(f"stage{s}.{kind}", program.gm) for s, programs in c.programs.items()
+            for kind, program in programs.all()]
+
+
+def _shared_parameters(c: Compilation) -> list[tuple[str, set[int]]]:
+    """(name, pipeline ranks) of parameters that stages on several ranks read."""
+    holders: dict[str, set[int]] = {}
+    for stage, graph in enumerate(c.stage_graphs):
+        for slot in graph.forward.slots:
+            if slot.kind == "param":
+                holders.setdefault(slot.key, set()).add(c.schedule.stage_to_rank[stage])
+    return [(name, ranks) for name, ranks in sorted(holders.items()) if len(ranks) > 1]

@@ -1,0 +1,58 @@
+"""What the executor runs: a stage's F, B and W programs and the data between them.
+
+A `Program` is a piece of a stage's joint graph (`passes/split_bw.py` cuts it): it reads
+joint-graph nodes from an environment (`dict[Node, Tensor]`, one per stage and micro-batch)
+and writes the nodes it computes back. Codegen gives each program its generated function
+(`fn`); until then it runs its fx GraphModule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule, Node
+
+
+@dataclass
+class Program:
+    """A piece of a joint graph: reads `inputs` and writes `outputs` (joint nodes)."""
+
+    gm: GraphModule
+    inputs: list[Node]
+    outputs: list[Node]
+    fn: object = None
+    """The generated function (codegen); None runs `gm`."""
+    source: str = ""
+    """The generated Python source (codegen)."""
+
+    def run(self, env: dict[Node, torch.Tensor]) -> None:
+        values = (self.fn or self.gm)(*[env[n] for n in self.inputs])
+        env.update(zip(self.outputs, values))
+
+
+@dataclass
+class StagePrograms:
+    """One stage's joint graph cut in three: F (forward), B (input gradients), W (weight
+    gradients); run in that order they compute what the joint graph computes."""
+
+    forward: Program
+    backward_input: Program  # B
+    backward_weight: Program  # W
+    placeholders: list[Node]  # joint placeholders, in JointGraph.inputs order
+    forward_outputs: list[Node]
+    input_grads: dict[int, Node]  # activation index -> its gradient node
+    param_grads: list[tuple[str, Node]]  # (parameter name, gradient node)
+
+    def all(self) -> tuple[tuple[str, Program], ...]:
+        """(kind, program) for F, B and W."""
+        return (("F", self.forward), ("B", self.backward_input), ("W", self.backward_weight))
+
+
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add `grad` into `param.grad` as autograd's AccumulateGrad does."""
+    if grad.stride() != param.stride():
+        grad = grad.clone(memory_format=torch.contiguous_format)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)

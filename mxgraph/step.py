@@ -1,0 +1,193 @@
+"""`Step`: a compiled training step, and the interface every step type implements.
+
+    step = mxgraph.compile(model, plan)
+    loss = step(tokens, targets)        # forward + backward; fills p.grad like backward()
+    optimizer.step(); optimizer.zero_grad()
+
+The first call for a given input signature (shapes, dtypes, non-tensor values) runs the
+compile driver (`driver.py`: capture, passes, grad, B/W split, codegen) and builds this
+rank's executor; later calls with that signature only run it.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+
+from mxgraph.capture import flat_inputs
+from mxgraph.comm import report_of, write_comm_dump
+from mxgraph.context import CompileContext
+from mxgraph.driver import compile_step
+from mxgraph.errors import PlanError
+from mxgraph.plan import Plan
+from mxgraph.runtime.data_parallel import DataParallel, bucket_layout
+from mxgraph.runtime.grad_norm import clip_grad_norm_
+from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.pipeline import PipelineExecutor, split_microbatches
+
+
+class TrainingStep(Protocol):
+    """What every compiled step offers (`Step`, `AdaptiveMoEStep`); the CLI, checkpoints,
+    gradient clipping and the analyses use nothing else."""
+
+    model: torch.nn.Module
+    plan: Plan
+    mesh: Mesh
+    """This rank's place in the device mesh, its process groups and its device."""
+    data_parallel: DataParallel | None
+    """This rank's gradient buckets (and ZeRO-1 shards) once built."""
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        """One training step: the loss (averaged over data-parallel ranks and
+        micro-batches); gradients accumulate into `.grad` of `parameters()`."""
+
+    def prepare(self, *args, **kwargs) -> None:
+        """Compile for these inputs' signature without running a step."""
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """What the optimizer updates on this rank."""
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """`parameters()` with names (for checkpoints)."""
+
+    def model_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters this rank holds (its stages', its shards)."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient over all ranks; returns it."""
+
+    def sync_parameters(self) -> None:
+        """zero1: copy the updated shards back into the model's parameters."""
+
+    def executors(self) -> list[PipelineExecutor]:
+        """One executor per compiled input signature (its stages' programs and joint
+        graphs: what the analyses read)."""
+
+
+class Step:
+    """A compiled training step for one model and plan (see module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, plan: Plan, mesh: Mesh | None = None):
+        self.model = model
+        self.plan = plan
+        self.mesh = mesh or Mesh.from_plan(plan)
+        """This rank's mesh; `Mesh.on_paper(...)` compiles for many ranks without running
+        (see `mxgraph.comm.comm_report`)."""
+        self._compiled: dict[tuple, PipelineExecutor] = {}
+        self.contexts: list[CompileContext] = []
+        """One per compiled input signature: the pass records (and dump dir)."""
+        self.expert_param_ids: set[int] = set()
+        """ids of the parameters sharded over "ep" (filled by the expert-parallel pass):
+        their gradients are reduced over "edp" instead of "dp"."""
+        self.data_parallel: DataParallel | None = None
+        """This rank's gradient buckets (and ZeRO-1 shards), built after the first compile
+        (runtime/data_parallel.py)."""
+
+    def parameters(self):
+        """The parameters this rank updates (on one device: the model's own). Compiles
+        nothing: with pp > 1 it is the parameters of this rank's stages, known after the
+        first call; before it, all of the model's.
+
+        With `Plan(zero1=True)`: this rank's flat shards, one `nn.Parameter` per gradient
+        bucket (named "zero1.bucket<i>"), whose `.grad` the step fills, while the model's
+        parameters keep `.grad = None`; they exist after the first call or `prepare()`
+        (PlanError before). Build the optimizer on them as usual: its state is sharded.
+        """
+        return (p for _, p in self.named_parameters())
+
+    def named_parameters(self):
+        if self.plan.zero1:
+            return self._data_parallel().named_shards()
+        return iter(self.model_parameters())
+
+    def model_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters this rank holds: with pp > 1 its stages' ones (all of
+        the model's before the first compile)."""
+        if not self._compiled:
+            return list(self.model.named_parameters())
+        held = {id(p) for executor in self._compiled.values()
+                for _, p in executor.model_parameters()}
+        return [(n, p) for n, p in self.model.named_parameters() if id(p) in held]
+
+    def executors(self) -> list[PipelineExecutor]:
+        return list(self._compiled.values())
+
+    def compiled(self, *args, **kwargs) -> PipelineExecutor:
+        """The executor for these inputs' signature (compiled on first use)."""
+        self.prepare(*args, **kwargs)
+        return self._compiled[_signature(args, kwargs)]
+
+    def sync_parameters(self) -> None:
+        """With `Plan(zero1=True)`: copy the shards the optimizer updated back into the
+        model's parameters (an all-gather over the data-parallel ranks). Each step does it
+        at its start; call it after the last `opt.step()` before evaluating or saving the
+        model. Without zero1 there is nothing to do."""
+        if self.data_parallel is not None:
+            self.data_parallel.gather_parameters()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """After a step: scale this rank's gradients (the shards' under zero1) so that the
+        norm of the whole model's gradient, over every rank, is at most `max_norm`, as
+        `torch.nn.utils.clip_grad_norm_` on one device; returns that norm (fp32). Every rank
+        must call it (runtime/grad_norm.py)."""
+        return clip_grad_norm_(self, max_norm)
+
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        executor = self.compiled(*args, **kwargs)
+        self.sync_parameters()
+        loss = executor.step(split_microbatches(flat_inputs(args, kwargs),
+                                                self.plan.micro_batches))
+        return self._reduce_data_parallel(loss)
+
+    def prepare(self, *args, **kwargs) -> None:
+        """Compile for these inputs' signature without running a step (after this,
+        `parameters()` lists exactly this rank's parameters)."""
+        key = _signature(args, kwargs)
+        if key in self._compiled:
+            return
+        tag = f"sig{len(self._compiled)}" if self._compiled else ""
+        ctx = CompileContext.for_plan(self.plan, tag, self.mesh)
+        self.contexts.append(ctx)
+        compilation = compile_step(self.model, self.plan, self.mesh, ctx, args, kwargs,
+                                   self.expert_param_ids)
+        self._compiled[key] = compilation.executor
+        if ctx.dump_dir is not None:  # comm.txt: mxgraph.comm's table
+            buckets = bucket_layout(self.model_parameters(), self.expert_param_ids,
+                                    self.plan, self.mesh)
+            write_comm_dump(report_of(compilation.executor, buckets, self.plan.zero1),
+                            ctx.dump_dir)
+
+    def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
+        """Average loss and gradients over the data-parallel group, gradients summed over
+        the context-parallel one too (each rank's cover its part of the sequence:
+        passes/shard_cp.py); bucket by bucket, reduce-scattered into the shards under zero1
+        (runtime/data_parallel.py)."""
+        dp = self.mesh.sizes["dp"]
+        if self.mesh.sizes["dp_cp"] == 1 and not self.plan.zero1:
+            return loss
+        self._data_parallel().reduce()
+        if dp == 1:
+            return loss
+        loss = loss.clone()
+        dist.all_reduce(loss, group=self.mesh.group("dp"))
+        return loss / dp
+
+    def _data_parallel(self) -> DataParallel:
+        if self.data_parallel is None:
+            if not self._compiled:
+                raise PlanError("zero1: the parameter shards are laid out over the compiled "
+                                "model's parameters; call step.prepare(*batch) or run one "
+                                "step before step.parameters()")
+            self.data_parallel = DataParallel.build(
+                self.model_parameters(), self.expert_param_ids, self.plan, self.mesh)
+        return self.data_parallel
+
+
+def _signature(args, kwargs) -> tuple:
+    def describe(value):
+        if isinstance(value, torch.Tensor):
+            return ("T", tuple(value.shape), value.dtype, value.device.type)
+        return ("V", type(value).__name__, value)
+    return tuple(describe(v) for v in flat_inputs(args, kwargs)) + (
+        torch.is_grad_enabled(),)
