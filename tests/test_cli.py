@@ -1,9 +1,11 @@
-"""The CLI through its real entry point (`python -m mxgraph.cli`): a user error is one line
-`mxgraph: error: ...` naming the fix, status 2, no traceback; `--debug` shows the
-traceback; `--help` lists the commands that exist.
+"""The CLI's user errors: one line `mxgraph: error: ...` naming the fix on stderr, status 2,
+no traceback, nothing on stdout; `--debug` shows the traceback; `--help` lists the
+commands that exist.
 
-Every command runs in its own process (about 3 s, most of it importing torch), all of
-them at once in one fixture, and each stops at its error before any training."""
+A process of `python -m mxgraph.cli` costs about 3 s of CPU (importing torch and mxgraph),
+so the cases in PROCESSES (one per way out: a train error, a TraceError from compile, an
+argparse error, an inspect error, --debug, --help) run as real processes, all at once; the
+rest call the same `main()` here, stdout and stderr captured at the file descriptors."""
 import os
 import subprocess
 import sys
@@ -41,7 +43,7 @@ NOT_A_LOSS = textwrap.dedent("""
     runpy.run_module("mxgraph.cli", run_name="__main__")
 """)
 
-# name: (command line, the one line expected on stderr); each runs as its own process
+# name: (command line, the one line expected on stderr)
 USER_ERRORS = {
     "unknown preset": (["train", "--model", "llama-tny"],
                        "mxgraph: error: unknown model preset 'llama-tny'; did you mean "
@@ -70,7 +72,7 @@ USER_ERRORS = {
                           "mxgraph: error: tp2.toml on 1 process(es): world size 1 is not "
                           "divisible by tp*pp*cp = 2; launch a multiple of 2 processes or "
                           "change the axes (--nproc N starts N)"),
-    "untraceable model": (["--not-a-loss", "train", "--data", "text.txt", "--steps", "1",
+    "model returns no loss": (["not_a_loss.py", "train", "--data", "text.txt", "--steps", "1",
                            "--batch-size", "1", "--seq-len", "8", "--no-progress"],
                           "mxgraph: error: forward must return the scalar loss as one tensor; "
                           "it returned 1 output(s)"),
@@ -89,10 +91,6 @@ USER_ERRORS = {
     "inspect unknown preset": (["inspect", "--comm", "--model", "gpt5"],
                                f"mxgraph: error: unknown model preset 'gpt5'; known presets: "
                                f"{PRESETS}"),
-}
-OTHER_RUNS = {"--debug": ["--debug", "train", "--plan", "tpp.toml"], "--help": ["--help"]}
-# the same main() in this process (no interpreter start): variants of the paths above
-IN_PROCESS = {
     "unknown moe field": (["train", "--plan", "moe.toml"],
                           "mxgraph: error: moe.toml: unknown plan field 'moe.capacty_factor'; "
                           "did you mean 'moe.capacity_factor'?"),
@@ -105,9 +103,10 @@ IN_PROCESS = {
     "unknown flag": (["train", "--num-steps", "2"],
                      "mxgraph train: error: unrecognized arguments: --num-steps 2 "
                      "(see 'mxgraph train --help')"),
-    "no command": ([], "usage: mxgraph [-h] [--debug] {train,inspect} ...\n"
-                       "mxgraph: error: the following arguments are required: command"),
 }
+PROCESSES = {"unknown plan field", "model returns no loss", "bad flag value",
+             "inspect missing dump"}
+OTHER_PROCESSES = {"--debug": ["--debug", "train", "--plan", "tpp.toml"], "--help": ["--help"]}
 
 
 def _write_inputs(directory: Path) -> None:
@@ -126,11 +125,24 @@ def _write_inputs(directory: Path) -> None:
 
 def _run(directory: Path, argv: list[str]) -> subprocess.CompletedProcess:
     entry = ["-m", "mxgraph.cli"]
-    if argv[:1] == ["--not-a-loss"]:
-        entry, argv = [str(directory / "not_a_loss.py")], argv[1:]
+    if argv[0].endswith(".py"):  # a script that runs mxgraph.cli as __main__
+        entry, argv = [str(directory / argv[0])], argv[1:]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, *entry, *argv], cwd=directory, env=env,
                           capture_output=True, text=True, timeout=120)
+
+
+def _in_process(argv: list[str], directory: Path, monkeypatch, capfd
+                ) -> subprocess.CompletedProcess:
+    """`main(argv)` as the entry point calls it, run in `directory`."""
+    from mxgraph.cli import main
+    monkeypatch.chdir(directory)
+    try:
+        status = main(argv)
+    except SystemExit as exit:  # argparse's errors
+        status = exit.code
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, status, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -142,41 +154,30 @@ def inputs(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(inputs) -> dict[str, subprocess.CompletedProcess]:
-    """Every command of USER_ERRORS and OTHER_RUNS, run at once."""
-    commands = {name: argv for name, (argv, _) in USER_ERRORS.items()} | OTHER_RUNS
+    """The commands of PROCESSES and OTHER_PROCESSES, run at once."""
+    commands = {name: USER_ERRORS[name][0] for name in PROCESSES} | OTHER_PROCESSES
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         done = {name: pool.submit(_run, inputs, argv) for name, argv in commands.items()}
     return {name: future.result() for name, future in done.items()}
 
 
 @pytest.mark.parametrize("name", USER_ERRORS)
-def test_user_error_is_one_line_naming_the_fix(runs, name):
-    run = runs[name]
+def test_user_error_is_one_line_naming_the_fix(name, request, inputs, monkeypatch, capfd):
+    argv, expected = USER_ERRORS[name]
+    if name in PROCESSES:
+        run = request.getfixturevalue("runs")[name]
+    else:
+        run = _in_process(argv, inputs, monkeypatch, capfd)
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr
-    assert run.stderr == USER_ERRORS[name][1] + "\n"
+    assert run.stderr == expected + "\n"
     assert run.stdout == ""  # nothing ran before the error
 
 
-@pytest.mark.parametrize("name", IN_PROCESS)
-def test_user_error_in_process(inputs, monkeypatch, capsys, name):
-    from mxgraph.cli import main
-    monkeypatch.chdir(inputs)
-    try:
-        status = main(IN_PROCESS[name][0])
-    except SystemExit as exit:  # argparse's errors
-        status = exit.code
-    out, err = capsys.readouterr()
-    assert (status, out, err) == (2, "", IN_PROCESS[name][1] + "\n")
-
-
-def test_debug_shows_the_traceback(runs, inputs, monkeypatch, capsys):
+def test_debug_shows_the_traceback(runs, inputs, monkeypatch, capfd):
     """`mxgraph --debug train ...` (a process) and `mxgraph train --debug ...` (here)."""
-    from mxgraph.cli import main
-    monkeypatch.chdir(inputs)
-    status = main(["train", "--debug", "--plan", "tpp.toml"])
-    for run in (runs["--debug"], subprocess.CompletedProcess([], status, "",
-                                                            capsys.readouterr().err)):
+    here = _in_process(["train", "--debug", "--plan", "tpp.toml"], inputs, monkeypatch, capfd)
+    for run in (runs["--debug"], here):
         assert run.returncode == 2
         assert run.stderr.startswith("Traceback (most recent call last):")
         assert run.stderr.splitlines()[-1] == (
@@ -190,6 +191,13 @@ def test_help_lists_the_commands_there_are(runs):
     assert "Commands: train, inspect; 'mxgraph COMMAND --help' for one." in " ".join(
         run.stdout.split())
     assert "--debug" in run.stdout and "search" not in run.stdout and "bench" not in run.stdout
+
+
+def test_no_command_prints_the_usage(inputs, monkeypatch, capfd):
+    run = _in_process([], inputs, monkeypatch, capfd)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == ("usage: mxgraph [-h] [--debug] {train,inspect} ...\n"
+                          "mxgraph: error: the following arguments are required: command\n")
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):
