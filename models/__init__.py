@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 import torch
 import torch.nn as nn
@@ -24,8 +25,25 @@ from models.presets import PRESETS, PUBLISHED_PARAMS, list_presets
 FAMILIES: dict[str, type[nn.Module]] = {"llama": Llama, "moe": MoETransformer, "gpt": GPT}
 
 __all__ = ["FAMILIES", "GPT", "GPTConfig", "PRESETS", "PUBLISHED_PARAMS", "Llama", "LlamaConfig",
-           "MoEConfig", "MoETransformer",
-           "build_model", "build_from_config", "count_params", "list_presets"]
+           "MoEConfig", "MoETransformer", "UnknownPresetError",
+           "build_model", "build_from_config", "count_params", "list_presets", "preset_config"]
+
+
+class UnknownPresetError(KeyError):
+    """A preset name that is not in ``PRESETS``; the message lists the known ones."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+def preset_config(name: str):
+    """The config of preset ``name``; ``UnknownPresetError`` naming the known presets."""
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, list_presets(), n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise UnknownPresetError(f"unknown model preset {name!r}; {guess}known presets: "
+                                 f"{', '.join(list_presets())}")
+    return PRESETS[name][1]
 
 
 def build_from_config(config, *, device="cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -48,10 +66,7 @@ def build_from_config(config, *, device="cpu", dtype: torch.dtype = torch.float3
 def build_model(name: str, *, device="cpu", dtype: torch.dtype = torch.float32,
                 **overrides) -> nn.Module:
     """Build preset ``name``; ``overrides`` replace config fields (e.g. ``n_layers=2``)."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
-    _, config = PRESETS[name]
-    config = dataclasses.replace(config, **overrides)
+    config = dataclasses.replace(preset_config(name), **overrides)
     return build_from_config(config, device=device, dtype=dtype)
 
 

@@ -1,4 +1,9 @@
-"""The `mxgraph` command: train, inspect, search, bench."""
+"""The `mxgraph` command line.
+
+A user error (`mxgraph.errors.UserError`: a bad plan, model, data file or flag value) is
+printed as one line `mxgraph: error: ...` and exits with status 2; `--debug` shows its
+traceback instead. Any other exception is a bug and keeps its traceback (status 1).
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,8 +11,29 @@ import dataclasses
 import os
 import subprocess
 import sys
+import traceback
 
+import models
+from mxgraph.errors import PlanError, UserError
 from mxgraph.train import TrainConfig
+
+USER_ERRORS = (UserError, models.UnknownPresetError)
+DEBUG_HELP = "show the full traceback of a user error instead of one line"
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """The parser of one command: an error in its flags is one line that points to its
+    --help (its usage, one line per few flags, would bury the message), and a flag it does
+    not know is its error, not the top level's."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return namespace, extra
 
 
 def _add_dataclass_flags(parser: argparse.ArgumentParser, cls) -> None:
@@ -48,7 +74,31 @@ def without_nproc(argv: list[str]) -> list[str]:
     return kept
 
 
+def check_train_inputs(args) -> None:
+    """UserError for a bad preset, plan, data file or dtype before anything is built (or
+    torchrun starts processes), so that a mistake costs no model construction."""
+    import torch
+
+    from mxgraph.data import check_source
+    from mxgraph.plan import Plan, require_built
+    models.preset_config(args.model)
+    if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        raise UserError(f"--dtype {args.dtype} is not a torch dtype; use float32 or bfloat16")
+    plan = Plan.from_toml(args.plan) if args.plan else Plan()
+    world_size = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1"))
+    if not args.eager:  # the compiled step lays the plan out on the processes
+        try:
+            plan.validate(world_size=world_size)
+        except PlanError as error:
+            raise PlanError(f"{args.plan or 'the default plan'} on {world_size} process(es): "
+                            f"{error} (--nproc N starts N)") from None
+        require_built(plan)
+    if args.data:
+        check_source(args.data)
+
+
 def _train(args) -> int:
+    check_train_inputs(args)
     if args.nproc > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={args.nproc}", "-m", "mxgraph.cli"] + \
@@ -71,16 +121,23 @@ def _inspect(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mxgraph", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="mxgraph")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    # a command's own --debug; SUPPRESS keeps it from resetting the top-level one
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help=DEBUG_HELP)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     train = commands.add_parser("train", help="train a preset model on the CPU or GPUs",
+                                parents=[debug],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_dataclass_flags(train, TrainConfig)
     train.add_argument("--nproc", type=int, default=1,
                        help="processes to start through torchrun (distributed plans)")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
-    inspect = commands.add_parser("inspect", help="summarise a dump directory, or estimate "
+    inspect = commands.add_parser("inspect", parents=[debug],
+                                  help="summarise a dump directory, or estimate "
                                   "memory (--memory) or communication (--comm) per rank")
     inspect.add_argument("dump_dir", nargs="?", help="directory written by Plan(dump_dir=...)")
     inspect.add_argument("--memory", action="store_true",
@@ -105,13 +162,28 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--diff", nargs=2, metavar=("PASS_A", "PASS_B"),
                          help="show which ops two passes' graphs differ in")
     inspect.set_defaults(run=_inspect)
+    parser.description = ("Compile and run PyTorch training steps. Commands: "
+                          f"{', '.join(commands.choices)}; 'mxgraph COMMAND --help' for one.")
     return parser
 
 
 def main(argv=None) -> int:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except USER_ERRORS as error:
+        if args.debug:
+            traceback.print_exc()
+        else:
+            print(f"mxgraph: error: {one_line(error)}", file=sys.stderr)
+        return 2
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of the message; the rest, if any, is left to --debug."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return lines[0] + (" (more with mxgraph --debug)" if len(lines) > 1 else "")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,17 @@ fixed: the last `val_fraction` of the bytes is validation, the rest training.
 """
 from __future__ import annotations
 
+import os
 import sysconfig
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from mxgraph.errors import DataError
+
+FORMATS = ("a text file whose bytes are the tokens, or a .npy file of a 1-D integer array "
+           "of token ids")
 
 
 def stdlib_bytes(max_bytes: int = 8_000_000) -> np.ndarray:
@@ -29,7 +35,8 @@ def stdlib_bytes(max_bytes: int = 8_000_000) -> np.ndarray:
         if total >= max_bytes:
             break
     if not chunks:
-        raise FileNotFoundError(f"no .py sources under {root}; pass --data FILE")
+        raise DataError(f"no built-in text: no .py sources under {root}; pass --data FILE "
+                        f"({FORMATS})")
     return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
@@ -37,16 +44,40 @@ def load_tokens(source: str | None, max_bytes: int = 8_000_000) -> np.ndarray:
     """Token ids from `source`: None = built-in, *.npy = ids, anything else = bytes."""
     if source is None:
         return stdlib_bytes(max_bytes)
+    path = check_source(source)
+    if path.suffix == ".npy":
+        return _token_ids(path)
+    return np.frombuffer(path.read_bytes(), dtype=np.uint8)
+
+
+def check_source(source: str) -> Path:
+    """The path of data file `source`; DataError naming the file and the accepted formats
+    if it is missing or unreadable, or a .npy whose header is not 1-D integer ids (reads
+    the header only: cheap enough to check before building a model)."""
     path = Path(source)
     if not path.exists():
-        raise FileNotFoundError(f"data file {source} does not exist")
+        raise DataError(f"data file {source} does not exist; --data takes {FORMATS}")
+    if not path.is_file():
+        raise DataError(f"data file {source} is not a file; --data takes {FORMATS}")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"data file {source} is not readable (permissions); make it "
+                        f"readable or pass another file")
     if path.suffix == ".npy":
-        tokens = np.load(path)
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise ValueError(f"{source}: expected a 1-D integer array of token ids, "
-                             f"got shape {tokens.shape} dtype {tokens.dtype}")
-        return tokens
-    return np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        _token_ids(path, mmap_mode="r")
+    return path
+
+
+def _token_ids(path: Path, mmap_mode: str | None = None) -> np.ndarray:
+    try:
+        tokens = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as error:  # numpy's words (pickle...) mislead
+        raise DataError(f"{path}: not a NumPy .npy array; write the token ids with "
+                        "numpy.save, or rename the file without .npy to read its bytes as text"
+                        ) from error
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise DataError(f"{path}: expected a 1-D integer array of token ids, "
+                        f"got shape {tokens.shape} dtype {tokens.dtype}")
+    return tokens
 
 
 class Batches:
@@ -57,7 +88,8 @@ class Batches:
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int = 0):
         if len(tokens) <= seq_len + 1:
-            raise ValueError(f"{len(tokens)} tokens are too few for seq_len={seq_len}")
+            raise DataError(f"{len(tokens)} tokens are too few for seq_len={seq_len}: a batch "
+                            f"needs seq_len + 2; use more data or a smaller --seq-len")
         self.tokens = torch.from_numpy(tokens.astype(np.int64))
         self.batch_size, self.seq_len = batch_size, seq_len
         self.generator = torch.Generator().manual_seed(seed)

@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from mxgraph.dump import read_summary
+from mxgraph.errors import UserError
 
 
 def op_counts(entry: Path) -> Counter:
@@ -19,12 +20,14 @@ def find_entry(directory: Path, name: str) -> Path:
                if p.is_dir() and (p.name == name or p.name.split("_", 1)[-1] == name)]
     if not matches:
         known = [p.name for p in sorted(directory.iterdir()) if p.is_dir()]
-        raise SystemExit(f"no pass {name!r} in {directory}; entries: {known}")
+        raise UserError(f"no pass {name!r} in {directory}; --diff takes two of: "
+                        f"{', '.join(known)} (or the names after the NN_ prefix)")
     return matches[0]
 
 
 def diff_text(directory: Path, first: str, second: str) -> str:
-    a, b = op_counts(find_entry(directory, first)), op_counts(find_entry(directory, second))
+    entries = [find_entry(directory, first), find_entry(directory, second)]  # both named
+    a, b = op_counts(entries[0]), op_counts(entries[1])
     lines = [f"{'op':<60} {first:>12} {second:>12}"]
     for op in sorted(set(a) | set(b)):
         if a[op] != b[op]:
@@ -62,10 +65,7 @@ def memory_main(args) -> int:
     import torch
 
     from mxgraph.memory_plan import estimate_memory, format_table, plot
-    from mxgraph.plan import Plan
-    if not args.model:
-        raise SystemExit("--memory needs --model NAME (a preset, e.g. llama2-70b)")
-    plan = Plan.from_toml(args.plan) if args.plan else Plan()
+    plan = _model_and_plan(args, "--memory", "llama2-70b")
     dtype = getattr(torch, args.dtype)
     stages = estimate_memory(args.model, plan, batch_size=args.batch_size,
                              seq_len=args.seq_len, dtype=dtype)
@@ -86,10 +86,8 @@ def comm_main(args) -> int:
     import models
     from mxgraph.comm import comm_report
     from mxgraph.plan import Plan
-    if not args.model:
-        raise SystemExit("--comm needs --model NAME (a preset, e.g. llama2-7b)")
-    plan = Plan.from_toml(args.plan) if args.plan else Plan()
-    config = models.PRESETS[args.model][1]
+    plan = _model_and_plan(args, "--comm", "llama2-7b")
+    config = models.preset_config(args.model)
     if args.layers:
         config = dataclasses.replace(config, n_layers=args.layers)
     model = models.build_from_config(config, device="meta", dtype=getattr(torch, args.dtype))
@@ -105,22 +103,37 @@ def comm_main(args) -> int:
     return 0
 
 
+def _model_and_plan(args, flag: str, example: str):
+    """The plan of `--plan` (default Plan()); UserError unless `--model` names a preset."""
+    import models
+    from mxgraph.plan import Plan
+    if not args.model:
+        raise UserError(f"{flag} needs --model NAME (a preset, e.g. {example})")
+    models.preset_config(args.model)
+    return Plan.from_toml(args.plan) if args.plan else Plan()
+
+
 def main(args) -> int:
     if getattr(args, "memory", False):
         return memory_main(args)
     if getattr(args, "comm", False):
         return comm_main(args)
     if not args.dump_dir:
-        raise SystemExit("inspect needs a dump directory (or --memory --model NAME)")
+        raise UserError("inspect needs a dump directory (mxgraph inspect DIR), or --memory "
+                        "or --comm with --model NAME")
     directory = Path(args.dump_dir)
+    if not directory.exists():
+        raise UserError(f"dump directory {directory} does not exist; write one with "
+                        "Plan(dump_dir=...) or MXGRAPH_DUMP=DIR, then inspect it")
     if not (directory / "summary.txt").exists():
-        raise SystemExit(f"{directory} has no summary.txt; was it written by "
-                         "Plan(dump_dir=...) or MXGRAPH_DUMP?")
+        raise UserError(f"{directory} has no summary.txt; was it written by "
+                        "Plan(dump_dir=...) or MXGRAPH_DUMP?")
+    diff = diff_text(directory, *args.diff) if args.diff else None  # bad names: no output
     print(summary_text(directory))
     print(comm_totals_text(directory))
     if (directory / "comm.txt").exists():
         print((directory / "comm.txt").read_text().rstrip())
-    if args.diff:
+    if diff:
         print()
-        print(diff_text(directory, *args.diff))
+        print(diff)
     return 0

@@ -8,6 +8,7 @@ rest against the traced graph. A field that asks for a capability not built yet 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class Plan:
     def __post_init__(self):
         self.disable_passes = tuple(self.disable_passes)
         if isinstance(self.moe, dict):
+            check_fields(self.moe, MoEOptions, prefix="moe.")
             self.moe = MoEOptions(**self.moe)
         self.validate()
 
@@ -177,21 +179,37 @@ class Plan:
     # ---- TOML -------------------------------------------------------------------------
     @classmethod
     def from_toml(cls, path: str | Path) -> "Plan":
-        """Read a plan from a TOML file: top-level fields plus an optional [moe] table."""
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        """Read a plan from a TOML file: top-level fields plus an optional [moe] table.
+
+        PlanError naming the file if it is missing, unreadable or not TOML, and as in
+        `from_dict` for its fields."""
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise PlanError(f"plan file {path} does not exist; pass the path of a TOML file "
+                            f"of Plan fields (e.g. a line tp = 2)") from None
+        except OSError as error:
+            raise PlanError(f"plan file {path} cannot be read ({error.strerror}); pass a "
+                            f"readable TOML file") from None
+        except tomllib.TOMLDecodeError as error:
+            raise PlanError(f"plan file {path} is not valid TOML: {error}; fields are "
+                            f"written name = value, e.g. tp = 2 or schedule = \"1f1b\"") from None
         return cls.from_dict(data, source=str(path))
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "dict") -> "Plan":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PlanError(f"{source}: unknown plan field(s) {unknown}; known: {sorted(known)}")
+    def from_dict(cls, data: dict, source: str | None = None) -> "Plan":
+        """A Plan from plain values (a TOML document, `to_dict()`). PlanError, prefixed with
+        `source`, for an unknown field (naming the nearest known one), a value of the wrong
+        type, or a plan that `validate()` refuses."""
+        check_fields(data, cls, source)
         data = dict(data)
         if "recompute_stages" in data:
-            data["recompute_stages"] = {int(k): v for k, v in data["recompute_stages"].items()}
-        return cls(**data)
+            data["recompute_stages"] = _stage_keys(data["recompute_stages"], source)
+        try:
+            return cls(**data)
+        except PlanError as error:
+            raise PlanError(_prefixed(source, str(error))) from None
 
     def to_dict(self) -> dict:
         data = dataclasses.asdict(self)
@@ -210,6 +228,67 @@ class Plan:
             else:
                 lines.append(f"{key} = {_toml_value(value)}")
         return "\n".join(lines) + "".join(tables) + "\n"
+
+
+# ---- loading: names and types of plain values -------------------------------------------
+_KINDS = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": type(None),
+          "dict": dict, "tuple": (list, tuple), "MoEOptions": (dict, MoEOptions)}
+_KIND_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
+               "bool": "a boolean (true/false)", "dict": "a table", "tuple": "a list",
+               "MoEOptions": "a [moe] table"}
+
+
+def check_fields(data: dict, cls: type, source: str | None = None, prefix: str = "") -> None:
+    """PlanError unless every key of `data` is a field of dataclass `cls` and its value has
+    the field's type; nested dataclass fields (the [moe] table) are checked the same way.
+    `prefix` is how the fields are named to the user ("moe.")."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in data.items():
+        name = prefix + key
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = (f"did you mean {prefix + close[0]!r}?" if close else
+                    f"known fields: {', '.join(prefix + k for k in fields)}")
+            raise PlanError(_prefixed(source, f"unknown plan field {name!r}; {hint}"))
+        kinds = [part.strip().split("[")[0] for part in fields[key].type.split("|")]
+        if not any(isinstance(value, _KINDS[kind]) and
+                   (kind == "bool" or not isinstance(value, bool)) for kind in kinds):
+            raise PlanError(_prefixed(source, (
+                f"{name} = {_shown(value)} is {_kind_word(value)}; {name} takes "
+                f"{' or '.join(_KIND_WORDS[kind] for kind in kinds if kind != 'None')}")))
+        if kinds == ["MoEOptions"] and isinstance(value, dict):
+            check_fields(value, MoEOptions, source, prefix=f"{name}.")
+
+
+def _stage_keys(stages: dict, source: str | None) -> dict[int, str]:
+    """recompute_stages with the TOML table's string keys as stage numbers."""
+    for key, policy in stages.items():
+        if not str(key).isdigit() or not isinstance(policy, str):
+            raise PlanError(_prefixed(source, (
+                f"recompute_stages maps a stage number to a policy string, e.g. "
+                f"recompute_stages = {{0 = \"full\"}}; got {key!r} = {_shown(policy)}")))
+    return {int(key): policy for key, policy in stages.items()}
+
+
+def _prefixed(source: str | None, message: str) -> str:
+    return f"{source}: {message}" if source else message
+
+
+def _shown(value) -> str:
+    """A value as the user wrote it in TOML, where it can be written."""
+    try:
+        return _toml_value(value)
+    except PlanError:
+        return "a table" if isinstance(value, dict) else repr(value)
+
+
+def _kind_word(value) -> str:
+    """What the user wrote, in TOML's words: "a string" for tp = "two"."""
+    for kind, word in ((bool, "a boolean"), (int, "an integer"), (float, "a float"),
+                       (str, "a string"), (dict, "a table"), ((list, tuple), "a list")):
+        if isinstance(value, kind):
+            return word
+    return f"a {type(value).__name__}"
 
 
 def _toml_value(value) -> str:
