@@ -82,7 +82,7 @@ class LayerActivations:
 def _config(name_or_config):
     import models
     if isinstance(name_or_config, str):
-        return models.PRESETS[name_or_config][1]
+        return models.preset_config(name_or_config)
     return name_or_config
 
 

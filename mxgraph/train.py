@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 import mxgraph
 from mxgraph.data import Batches, load_tokens, split
+from mxgraph.errors import DataError
 from mxgraph.plan import Plan
 from mxgraph.runtime.checkpoint import FlashCheckpointer
 from mxgraph.runtime.checkpoint_state import (apply_training_state, capture_training_state,
@@ -105,7 +106,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     vocab = model.config.vocab_size
     tokens = load_tokens(cfg.data)
     if int(tokens.max()) >= vocab:
-        raise ValueError(f"data has token id {int(tokens.max())} but {cfg.model} has "
+        raise DataError(f"data has token id {int(tokens.max())} but {cfg.model} has "
                          f"vocab_size={vocab}; choose a model with a larger vocabulary")
     train_tokens, val_tokens = split(tokens)
     step_fn = model if cfg.eager else mxgraph.compile(model, plan)
