@@ -6,6 +6,7 @@ import torch
 from mxgraph.driver import check_plan
 from mxgraph.errors import PlanError
 from mxgraph.plan import Plan
+from mxgraph.runtime.launch import init_from_environment
 from mxgraph.step import Step, TrainingStep
 from mxgraph.step_adaptive import AdaptiveMoEStep
 
@@ -19,6 +20,7 @@ def compile(model: torch.nn.Module, plan: Plan | None = None) -> TrainingStep:  
     or bf16. Returns a `Step` (an `AdaptiveMoEStep` with
     `moe.adaptive_recompute_threshold`); both implement `TrainingStep`.
     """
+    init_from_environment()  # under torchrun without init_process_group: join the job
     plan = plan or Plan()
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"mxgraph.compile takes an nn.Module, got {type(model).__name__}")

@@ -19,8 +19,8 @@ from mxgraph.data import Batches, load_tokens, split
 from mxgraph.errors import DataError
 from mxgraph.plan import Plan
 from mxgraph.runtime.checkpoint import FlashCheckpointer
-from mxgraph.runtime.checkpoint_state import (apply_training_state, capture_training_state,
-                                              init_restartable_process_group)
+from mxgraph.runtime.checkpoint_state import apply_training_state, capture_training_state
+from mxgraph.runtime.launch import init_from_environment
 
 log = logging.getLogger("mxgraph.train")
 
@@ -79,10 +79,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def _init_distributed() -> int:
-    """Join the torchrun job, if any; returns the global rank."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        init_restartable_process_group(backend)
+    """Join the torchrun job, if any (as `mxgraph.compile` would); returns the global rank."""
+    init_from_environment()
     return dist.get_rank() if dist.is_initialized() else 0
 
 

@@ -1,0 +1,29 @@
+"""Joining the job torchrun started, from its environment (as torchtitan's trainer does)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from mxgraph.runtime.checkpoint_state import init_restartable_process_group
+from mxgraph.runtime.mesh import default_device
+
+
+def init_from_environment() -> None:
+    """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) when WORLD_SIZE > 1 and none exists; otherwise do nothing.
+
+    The backend is "nccl" when CUDA is available (MCCL under MXMACA), with this process's
+    GPU (LOCAL_RANK) made the current device first, else "gloo". The group survives
+    `torchrun --max-restarts` (`init_restartable_process_group`). A group the caller made
+    itself is left as it is.
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available() or \
+            dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(default_device())
+        init_restartable_process_group("nccl")
+    else:
+        init_restartable_process_group("gloo")
