@@ -75,13 +75,13 @@ def without_nproc(argv: list[str]) -> list[str]:
 
 
 def check_train_inputs(args) -> None:
-    """UserError for a bad preset, plan, data file or dtype before anything is built (or
+    """UserError for a bad model, plan, data file or dtype before anything is built (or
     torchrun starts processes), so that a mistake costs no model construction."""
     import torch
 
     from mxgraph.data import check_source
     from mxgraph.plan import Plan, require_built
-    models.preset_config(args.model)
+    check_model(args)
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         raise UserError(f"--dtype {args.dtype} is not a torch dtype; use float32 or bfloat16")
     plan = Plan.from_toml(args.plan) if args.plan else Plan()
@@ -95,6 +95,32 @@ def check_train_inputs(args) -> None:
         require_built(plan)
     if args.data:
         check_source(args.data)
+
+
+def check_model(args) -> None:
+    """UserError for an unknown preset, an unknown Hugging Face model_type or config file, a
+    missing transformers, or a --model-config key or value the model's config rejects;
+    only configs are made, no model."""
+    from mxgraph.hf import hf_config, is_hf_spec, parse_overrides
+    overrides = parse_overrides(args.model_config)
+    if is_hf_spec(args.model):
+        config = hf_config(args.model, overrides)
+        positions = getattr(config, "max_position_embeddings", None)
+        if isinstance(positions, int) and args.seq_len > positions:
+            raise UserError(f"--seq-len {args.seq_len} is longer than {args.model}'s "
+                            f"max_position_embeddings={positions}; raise it with --model-config "
+                            f"max_position_embeddings={args.seq_len}")
+        return
+    config = models.preset_config(args.model)
+    fields = [f.name for f in dataclasses.fields(config)]
+    unknown = [key for key in overrides if key not in fields]
+    if unknown:
+        raise UserError(f"--model-config {unknown[0]} is no field of {args.model}'s "
+                        f"{type(config).__name__}; its fields: {', '.join(fields)}")
+    try:
+        dataclasses.replace(config, **overrides)
+    except (TypeError, ValueError) as error:
+        raise UserError(f"--model-config for {args.model}: {error}") from None
 
 
 def _train(args) -> int:
@@ -128,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help=DEBUG_HELP)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
-    train = commands.add_parser("train", help="train a preset model on the CPU or GPUs",
+    train = commands.add_parser("train", help="train a preset or Hugging Face model on the CPU or GPUs",
                                 parents=[debug],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_dataclass_flags(train, TrainConfig)

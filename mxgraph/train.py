@@ -1,4 +1,5 @@
-"""`mxgraph train`: train a preset model with a compiled step on built-in or given data."""
+"""`mxgraph train`: train a preset or Hugging Face model with a compiled step on built-in or
+given data."""
 from __future__ import annotations
 
 import hashlib
@@ -17,6 +18,7 @@ from tqdm import tqdm
 import mxgraph
 from mxgraph.data import Batches, load_tokens, split
 from mxgraph.errors import DataError
+from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
 from mxgraph.plan import Plan
 from mxgraph.runtime.checkpoint import FlashCheckpointer
 from mxgraph.runtime.checkpoint_state import apply_training_state, capture_training_state
@@ -30,7 +32,12 @@ class TrainConfig:
     """What `mxgraph train` runs; each field is a CLI flag of the same name."""
 
     model: str = "llama-tiny"
-    """Model preset (see `models.list_presets()`)."""
+    """Model preset (see `models.list_presets()`), or a Hugging Face transformers model with
+    random weights: hf:<model_type> (e.g. hf:llama, hf:mixtral; the full-size defaults unless
+    --model-config shrinks them) or the path of a config.json (needs pip install mxgraph[hf])."""
+    model_config: str | None = None
+    """Overrides of the model's config, key=value,...: fields of the preset's config (e.g.
+    n_layers=2) or of the Hugging Face config (e.g. hidden_size=64,num_hidden_layers=2)."""
     plan: str | None = None
     """Plan TOML file; default = one device, no rewrites."""
     steps: int = 600
@@ -84,6 +91,19 @@ def _init_distributed() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def build_training_model(cfg: TrainConfig) -> torch.nn.Module:
+    """The model `cfg.model` names, with `cfg.model_config`'s overrides: a preset
+    (`models.build_model`) or a Hugging Face model (`hf:<model_type>` or a config.json,
+    `mxgraph.hf.build_hf_model`). Either has `.config.vocab_size`."""
+    import models
+
+    dtype = getattr(torch, cfg.dtype)
+    overrides = parse_overrides(cfg.model_config)
+    if is_hf_spec(cfg.model):
+        return build_hf_model(cfg.model, overrides, dtype=dtype)
+    return models.build_model(cfg.model, dtype=dtype, **overrides)
+
+
 def _run_id(checkpoint_dir: str) -> str:
     """torchrun's run id (stable across restarts), MXGRAPH_RUN_ID, or one derived from
     the checkpoint directory, so that a re-run of the same command finds its snapshots."""
@@ -95,17 +115,16 @@ def _run_id(checkpoint_dir: str) -> str:
 
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     """Train and return {"train_loss", "val_loss", "tokens_per_s", "seconds", "start_step"}."""
-    import models
-
     rank = _init_distributed()
     seed_everything(cfg.seed)
     plan = Plan.from_toml(cfg.plan) if cfg.plan else Plan()
-    model = models.build_model(cfg.model, dtype=getattr(torch, cfg.dtype))
+    model = build_training_model(cfg)
     vocab = model.config.vocab_size
     tokens = load_tokens(cfg.data)
     if int(tokens.max()) >= vocab:
         raise DataError(f"data has token id {int(tokens.max())} but {cfg.model} has "
-                         f"vocab_size={vocab}; choose a model with a larger vocabulary")
+                        f"vocab_size={vocab}; choose a model with a larger vocabulary or "
+                        f"set --model-config vocab_size={int(tokens.max()) + 1}")
     train_tokens, val_tokens = split(tokens)
     step_fn = model if cfg.eager else mxgraph.compile(model, plan)
     dp_rank = 0 if cfg.eager else step_fn.mesh.coords["dp"]
