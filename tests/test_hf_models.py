@@ -69,6 +69,19 @@ def test_compiled_step_matches_eager_in_fp32(family, experts):
         assert error <= 1e-4 * reference[name].norm(), name
 
 
+@pytest.mark.parametrize("dtype,op", [(torch.float32, "transformers.grouped_mm_fallback"),
+                                      (torch.bfloat16, "aten._grouped_mm")])
+def test_grouped_mm_experts_trace_as_documented(dtype, op):
+    """mxgraph/hf.py's docstring: the default experts ("grouped_mm") export as transformers'
+    fallback custom op in fp32 and as aten._grouped_mm in bf16."""
+    torch.manual_seed(0)
+    model = build_hf_model("hf:mixtral", TINY["mixtral"], dtype=dtype)
+    _, inputs, targets = _batch()
+    graph = torch.export.export(model, (inputs, targets), strict=False).graph
+    targets_seen = {str(node.target) for node in graph.nodes if node.op == "call_function"}
+    assert f"{op}.default" in targets_seen
+
+
 def test_eager_experts_loop_does_not_trace():
     """The claim of mxgraph/hf.py's docstring: the "eager" experts implementation (a loop
     over the experts hit) is data-dependent and torch.export refuses it."""
