@@ -32,7 +32,8 @@ def _configs(draw):
 
 def _logits(t, e, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(t, e, generator=g) * 2).to(dtype), torch.randn(e, generator=g) * 0.1, torch.randn(t, e, generator=g)
+    return ((torch.randn(t, e, generator=g) * 2).to(dtype), torch.randn(e, generator=g) * 0.1,
+            torch.randn(t, e, generator=g))
 
 
 @SETTINGS
@@ -85,7 +86,8 @@ def test_opcheck():
     logits, b, g = _logits(7, 8, torch.float32, seed=2)
     opcheck(torch.ops.mxgraph.moe_router.default,
             (logits.clone().requires_grad_(), b, 2, "sigmoid", 2, 1, True, 2.0))
-    opcheck(torch.ops.mxgraph.moe_router.default, (logits.clone().requires_grad_(), None, 3, "softmax", 1, 1, False, 1.0))
+    opcheck(torch.ops.mxgraph.moe_router.default,
+            (logits.clone().requires_grad_(), None, 3, "softmax", 1, 1, False, 1.0))
     _, ids, _ = K.moe_router_reference(logits, b, 2, "sigmoid", 2, 1, True, 2.0)
     opcheck(torch.ops.mxgraph.moe_router_backward.default, (g[:, :2].contiguous(), logits, ids, "sigmoid", True, 2.0))
 

@@ -40,7 +40,8 @@ def _args(t, seed=0):
     r = lambda *s: torch.randn(*s, generator=g).requires_grad_()  # noqa: E731
     ang = torch.arange(t)[:, None] * torch.tensor([1.0, 0.1])
     ang = torch.cat([ang, ang], -1)
-    return [r(t, D), r(t, D), r(D), r(E, D), r(D), r(V, D), ang.cos(), ang.sin(), torch.randint(0, V, (t,), generator=g)]
+    return [r(t, D), r(t, D), r(D), r(E, D), r(D), r(V, D), ang.cos(), ang.sin(),
+            torch.randint(0, V, (t,), generator=g)]
 
 
 @pytest.mark.parametrize("mode", ["fake", "symbolic"])

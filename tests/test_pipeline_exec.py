@@ -2,8 +2,8 @@
 
 Each rank builds the same model (same seed), runs the compiled step on its share, and
 compares the loss and the gradients of the parameters it owns with eager autograd on
-the whole global batch (accumulated over the same micro-batches). Tolerances: loss 1e-5 relative, gradients 1e-4 relative (fp32),
-parameters after 3 AdamW steps 1e-4.
+the whole global batch (accumulated over the same micro-batches). Tolerances: loss 1e-5
+relative, gradients 1e-4 relative (fp32), parameters after 3 AdamW steps 1e-4.
 """
 import copy
 import functools

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mxgraph.runtime.collectives import (KIND, process_group, all_reduced, contiguous_copy, gathered_shape,
+from mxgraph.runtime.collectives import (KIND, all_reduced, contiguous_copy, gathered_shape, process_group,
                                          group_size, same_shape, scattered_shape)
 
 

@@ -7,7 +7,7 @@ and the rows move with `all_to_all_single` with variable splits.
 
 | op            | forward                                          | backward              |
 |---------------|--------------------------------------------------|-----------------------|
-| `ep_counts`   | all-to-all of the per-expert counts [E] -> [ep, E/ep]: row s = what rank s sends to each local expert | none (integers) |
+| `ep_counts`   | all-to-all of the per-expert counts [E] -> [ep, E/ep] (row s: rank s's) | none (integers) |
 | `ep_dispatch` | rows sorted by global expert -> rows sorted by local expert (then source rank) | `ep_combine` |
 | `ep_combine`  | the inverse: local-expert order -> back to the sender, in its original order | `ep_dispatch` |
 
