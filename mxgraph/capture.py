@@ -38,26 +38,22 @@ class ForwardGraph:
 
 
 @contextlib.contextmanager
-def whole_parameters(model: torch.nn.Module, mesh, expert_ids: set[int]):
-    """Within: every parameter an earlier compile sharded (a TP shard carries `mx_tp_layout`,
-    an expert shard's id is in `expert_ids`) is replaced, under each of its names, by an
-    uninitialised parameter of the whole shape; the shards are put back after. Capturing a
-    sharded step again (new input shapes) traces the model the passes were written for: they
-    shard the graph as the first time and find the parameters already sharded. The values do
-    not matter to tracing; the stand-ins are `torch.empty` on the parameter's device."""
+def whole_parameters(model: torch.nn.Module, mesh, layouts: dict):
+    """Within: every parameter an earlier compile split (its name in `layouts`, a name ->
+    `runtime.param_layout.ParamLayout` map) is replaced, under each of its names, by an
+    uninitialised parameter of the whole shape; the parts are put back after. Capturing a
+    sharded step again (new input shapes) traces the model the passes were written for:
+    they shard the graph as the first time and find the parameters already cut. The values
+    do not matter to tracing; the stand-ins are `torch.empty` on the parameter's device."""
     named = list(model.named_parameters(remove_duplicate=False))
     stand_ins: dict[int, torch.nn.Parameter] = {}
-    for _, param in named:
-        shape = list(param.shape)
-        layout = getattr(param, "mx_tp_layout", None)
-        if layout is not None:
-            shape[layout[0]] *= mesh.sizes["tp"]
-        if id(param) in expert_ids:
-            shape[0] *= mesh.sizes["ep"]
-        if shape != list(param.shape) and id(param) not in stand_ins:
-            stand_ins[id(param)] = torch.nn.Parameter(
-                torch.empty(shape, dtype=param.dtype, device=param.device),
-                requires_grad=param.requires_grad)
+    for name, param in named:
+        layout = layouts.get(name)
+        if layout is None or not layout.sharded or id(param) in stand_ins:
+            continue
+        stand_ins[id(param)] = torch.nn.Parameter(
+            torch.empty(layout.full_shape(param.shape, mesh.sizes), dtype=param.dtype,
+                        device=param.device), requires_grad=param.requires_grad)
     for name, param in named:
         if id(param) in stand_ins:
             set_parameter(model, name, stand_ins[id(param)])

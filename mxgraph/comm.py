@@ -191,7 +191,7 @@ def comm_report(model: torch.nn.Module, plan, example_args: tuple,
     ctx = CompileContext.for_plan(plan, mesh=mesh)
     compilation = compile_step(model, plan, mesh, ctx, args, kwargs)
     buckets = bucket_layout(compilation.executor.model_parameters(),
-                            compilation.expert_param_ids, plan, mesh)
+                            compilation.layouts, plan, mesh)
     report = report_of(compilation.executor, buckets, plan.zero1, unbacked)
     if ctx.dump_dir is not None:
         write_comm_dump(report, ctx.dump_dir)

@@ -20,6 +20,9 @@ class CompileContext:
     """Number of the next dump entry (shared by forward and joint passes)."""
     records: list[dict] = field(default_factory=list)
     """One summary record per pass run (see passes/runner.py)."""
+    findings: list[str] = field(default_factory=list)
+    """What the pass running now reports for people (a sharding pass: each op it had to
+    gather); the runner moves them into the pass's record and dump entry."""
 
     @classmethod
     def for_plan(cls, plan: Plan, tag: str = "", mesh=None) -> "CompileContext":

@@ -48,13 +48,13 @@ def build_schedule_for(plan: Plan):
 
 
 def compile_step(model: torch.nn.Module, plan: Plan, mesh: Mesh, ctx: CompileContext,
-                 args: tuple, kwargs: dict, expert_param_ids: set[int] | None = None,
+                 args: tuple, kwargs: dict, layouts: dict | None = None,
                  stop_after: str | None = None,
                  after: dict[str, Callable[[Compilation], None]] | None = None
                  ) -> Compilation:
     """Compile this rank's part of `model`'s training step for inputs like `args`,
     `kwargs` (the whole batch: the first of `plan.micro_batches` chunks is traced).
-    `expert_param_ids`: parameters an earlier compile sharded over "ep" (updated in
+    `layouts`: name -> `ParamLayout` of parameters earlier compiles cut (updated in
     place). `stop_after`: the name of the last step to run (`PIPELINE`). `after`: step
     name -> a function called with the compilation right after that step (an analysis
     that looks between two passes, as the memory estimator does)."""
@@ -67,7 +67,7 @@ def compile_step(model: torch.nn.Module, plan: Plan, mesh: Mesh, ctx: CompileCon
     first_args, first_kwargs = pytree.tree_unflatten(
         split_microbatches(leaves, plan.micro_batches)[0], spec)
     compilation = Compilation(model, mesh, first_args, first_kwargs, build_schedule_for(plan),
-                              expert_param_ids if expert_param_ids is not None else set())
+                              layouts if layouts is not None else {})
     for step in PIPELINE:
         run(step, compilation, ctx)
         if step.name in after:

@@ -63,6 +63,10 @@ class Plan:
     """Context-parallel degree: the sequence is split across this many ranks."""
     sequence_parallel: bool = False
     """With tp > 1: norms, dropout and residuals work on sequence shards."""
+    strict_sharding: bool = False
+    """Raise PlanError where a sharding pass (tp, cp) meets an op it has no rule for, or
+    that cannot keep its input's shard, instead of gathering the input there (correct but
+    slower; each such op is listed in the dump's findings.txt either way)."""
     zero1: bool = False
     """Shard optimizer state over the data-parallel ranks (ZeRO stage 1): `step.parameters()`
     are then this rank's flat shards, one per gradient bucket (see runtime/data_parallel.py)."""

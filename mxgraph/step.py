@@ -24,6 +24,7 @@ from mxgraph.plan import Plan
 from mxgraph.runtime.data_parallel import DataParallel, bucket_layout
 from mxgraph.runtime.grad_norm import clip_grad_norm_
 from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.param_layout import ParamLayout
 from mxgraph.runtime.pipeline import PipelineExecutor, split_microbatches
 
 
@@ -37,6 +38,8 @@ class TrainingStep(Protocol):
     """This rank's place in the device mesh, its process groups and its device."""
     data_parallel: DataParallel | None
     """This rank's gradient buckets (and ZeRO-1 shards) once built."""
+    layouts: dict[str, ParamLayout]
+    """How each parameter (by name) is split over the mesh."""
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         """One training step: the loss (averaged over data-parallel ranks and
@@ -77,9 +80,9 @@ class Step:
         self._compiled: dict[tuple, PipelineExecutor] = {}
         self.contexts: list[CompileContext] = []
         """One per compiled input signature: the pass records (and dump dir)."""
-        self.expert_param_ids: set[int] = set()
-        """ids of the parameters sharded over "ep" (filled by the expert-parallel pass):
-        their gradients are reduced over "edp" instead of "dp"."""
+        self.layouts: dict[str, ParamLayout] = {}
+        """Parameter name (every alias) -> how the sharding passes split it over the mesh
+        (runtime/param_layout.py): tp dim and blocks, experts over "ep"."""
         self.data_parallel: DataParallel | None = None
         """This rank's gradient buckets (and ZeRO-1 shards), built after the first compile
         (runtime/data_parallel.py)."""
@@ -150,10 +153,10 @@ class Step:
         ctx = CompileContext.for_plan(self.plan, tag, self.mesh)
         self.contexts.append(ctx)
         compilation = compile_step(self.model, self.plan, self.mesh, ctx, args, kwargs,
-                                   self.expert_param_ids)
+                                   self.layouts)
         self._compiled[key] = compilation.executor
         if ctx.dump_dir is not None:  # comm.txt: mxgraph.comm's table
-            buckets = bucket_layout(self.model_parameters(), self.expert_param_ids,
+            buckets = bucket_layout(self.model_parameters(), self.layouts,
                                     self.plan, self.mesh)
             write_comm_dump(report_of(compilation.executor, buckets, self.plan.zero1),
                             ctx.dump_dir)
@@ -180,7 +183,7 @@ class Step:
                                 "model's parameters; call step.prepare(*batch) or run one "
                                 "step before step.parameters()")
             self.data_parallel = DataParallel.build(
-                self.model_parameters(), self.expert_param_ids, self.plan, self.mesh)
+                self.model_parameters(), self.layouts, self.plan, self.mesh)
         return self.data_parallel
 
 

@@ -46,6 +46,10 @@ class AdaptiveMoEStep:
     def data_parallel(self):
         return self.last.data_parallel
 
+    @property
+    def layouts(self):
+        return self.last.layouts
+
     def executors(self):
         return [e for step in self.variants.values() for e in step.executors()]
 

@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 import models
 import mxgraph as mx
 from mxgraph.runtime.data_parallel import MiB, build_buckets
+from mxgraph.runtime.param_layout import ParamLayout
 from tests.distributed import run_ranks
 from tests.helpers import rel_err
 from tests.test_pipeline_exec import assert_like_reference, floored_err, local
@@ -64,7 +65,8 @@ def check_data_parallel(rank, world, model_name, plan_kwargs, steps=3, batch_siz
     plan = mx.Plan(**plan_kwargs)
     step = mx.compile(model, plan)
     if expert_axis:  # ep = 1: "edp" is "dp", so the numbers stay the same
-        step.expert_param_ids = {id(p) for n, p in model.named_parameters() if "expert" in n}
+        step.layouts.update({n: ParamLayout(ep=True) for n, _ in model.named_parameters()
+                             if "expert" in n})
     dp, dp_rank = step.mesh.sizes["dp"], step.mesh.coords["dp"]
     g = torch.Generator().manual_seed(1)
     opt = ref_opt = None

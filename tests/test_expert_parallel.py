@@ -19,20 +19,7 @@ from mxgraph.passes.shard_ep import shard_ep_pass
 from mxgraph.runtime.mesh import Mesh
 from tests.distributed import run_ranks
 
-tp_local = pipeline_exec.local
-
-
-def ep_local(reference: torch.Tensor, mine: torch.Tensor, step, param=None) -> torch.Tensor:
-    """This rank's shard of a reference tensor: its experts for an expert parameter (or
-    its gradient), else the TP shard (`local` of test_pipeline_exec)."""
-    experts = [p for p in step.model.parameters() if id(p) in step.expert_param_ids]
-    if any(mine is p or mine is p.grad for p in experts):
-        return reference.chunk(step.mesh.sizes["ep"], 0)[step.mesh.coords["ep"]]
-    return tp_local(reference, mine, step, param)
-
-
 def check_ep(rank, world, model_name, plan_kwargs, steps=3, model_kwargs=None, lr=1e-2):
-    pipeline_exec.local = ep_local  # this process only (spawned per test)
     pipeline_exec.check_plan(rank, world, model_name, plan_kwargs, steps,
                              model_kwargs=model_kwargs, lr=lr)
 

@@ -14,8 +14,6 @@ import mxgraph as mx
 from tests.distributed import run_ranks
 from tests.helpers import batch, rel_err
 from tests.test_data_parallel import shard_slices
-from tests.test_expert_parallel import ep_local
-import tests.test_pipeline_exec as pipeline_exec
 from tests.test_pipeline_exec import GRAD_TOL, assert_like_reference, largest_norm, local
 
 MAX_NORM = 0.05  # below every case's norm, so the gradients are scaled
@@ -51,9 +49,7 @@ def check_clip(rank, world, model_name, plan_kwargs, model_kwargs=None):
             assert rel_err(bucket.shard.grad[in_shard], ref) <= GRAD_TOL, name
 
 
-def check_cases(rank, world, cases, expert_parallel=False):
-    if expert_parallel:  # expert tensors are cut by the ep coordinate (this process only)
-        pipeline_exec.local = ep_local
+def check_cases(rank, world, cases):
     for args in cases:
         check_clip(rank, world, *args)
 
@@ -68,5 +64,4 @@ def test_tp_pp_zero1_layouts():
 
 
 def test_expert_shards():
-    run_ranks(2, check_cases, [("moe-tiny", dict(ep=2), dict(n_layers=2, expert_impl="grouped_mm"))],
-              True)
+    run_ranks(2, check_cases, [("moe-tiny", dict(ep=2), dict(n_layers=2, expert_impl="grouped_mm"))])

@@ -13,7 +13,6 @@ import torch
 
 import models
 import mxgraph as mx
-from mxgraph.passes.shard_tp import tp_shard
 from tests.distributed import run_ranks
 from tests.helpers import rel_err
 
@@ -21,11 +20,14 @@ LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
 
 def local(reference: torch.Tensor, mine: torch.Tensor, step, param=None) -> torch.Tensor:
-    """This rank's shard of a reference tensor (the tensor itself when unsharded); for a
-    TP-sharded parameter (or its gradient) cut like the parameter (`mx_tp_layout`)."""
-    layout = getattr(param, "mx_tp_layout", None)
-    if layout is not None:
-        return tp_shard(reference, *layout, step.mesh.sizes["tp"], step.mesh.coords["tp"])
+    """This rank's part of a reference tensor (the tensor itself when unsharded): a
+    parameter's (or its gradient's) cut as the step laid the parameter out (`step.layouts`:
+    TP dim and blocks, experts over ep)."""
+    for name, p in step.model.named_parameters(remove_duplicate=False):
+        if p is param or p is mine or (p.grad is not None and p.grad is mine):
+            layout = step.layouts.get(name)
+            return reference if layout is None else \
+                layout.shard(reference, step.mesh.sizes, step.mesh.coords)
     for dim, (full, part) in enumerate(zip(reference.shape, mine.shape)):
         if full != part:
             return reference.chunk(full // part, dim)[step.mesh.coords["tp"]]

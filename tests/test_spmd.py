@@ -51,9 +51,6 @@ def test_cp2_tp2_llama_with_sequence_parallel():
 def check_new_shapes(rank, world, cases):
     """One step per input shape (seq 16, 8, then 16 again: the first graph reused), each
     against eager: loss 1e-5, gradients 1e-4 (floored as check_plan)."""
-    import tests.test_pipeline_exec as pipeline_exec
-    from tests.test_expert_parallel import ep_local
-    pipeline_exec.local = ep_local  # expert tensors cut by ep, the others as before
     for model_name, plan_kwargs, model_kwargs in cases:
         torch.manual_seed(0)
         model = models.build_model(model_name, **model_kwargs)

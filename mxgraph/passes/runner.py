@@ -74,7 +74,13 @@ def run_pass(spec: PassSpec, gm: GraphModule, ctx: CompileContext,
     check_new_nodes(new_nodes, where, ctx.mesh, spec.adds_random)
     check_aliases(result, aliased, where)
     result.recompile()
-    record_graphs(ctx, spec.name, spec.phase, [(label, result)], elapsed)
+    findings, ctx.findings = ctx.findings, []
+    extra = {"findings": len(findings)} if findings else {}
+    record = record_graphs(ctx, spec.name, spec.phase, [(label, result)], elapsed, **extra)
+    record["finding_lines"] = findings
+    if findings and ctx.dump_dir is not None:
+        entry = ctx.dump_dir / f"{record['index']:02d}_{spec.name}"
+        (entry / "findings.txt").write_text("\n".join(findings) + "\n")
     return result
 
 

@@ -19,11 +19,10 @@ from mxgraph.capture import (ForwardGraph, capture, model_tensors, slot_tensor,
 from mxgraph.codegen.python import generate
 from mxgraph.context import CompileContext
 from mxgraph.joint import JointGraph, build_joint
-from mxgraph.passes.shard_ep import shard_expert_parameters
-from mxgraph.passes.shard_tp import shard_parameters
 from mxgraph.passes.split_bw import split_bw
 from mxgraph.passes.split_stages import StageGraph, split_stages
 from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.param_layout import ParamLayout, materialize
 from mxgraph.runtime.pipeline import PipelineExecutor, StageRuntime
 from mxgraph.runtime.programs import StagePrograms
 from mxgraph.schedules import Schedule
@@ -39,8 +38,9 @@ class Compilation:
     kwargs: dict
     """One micro-batch of the user's inputs (what is traced)."""
     schedule: Schedule
-    expert_param_ids: set[int] = field(default_factory=set)
-    """ids of the parameters sharded over "ep" (filled by `shard_parameters`)."""
+    layouts: dict[str, ParamLayout] = field(default_factory=dict)
+    """Parameter name (every alias) -> its split (filled by `shard_parameters`; shared
+    with the step, so a later compile knows what an earlier one cut)."""
     forward: ForwardGraph | None = None
     stage_graphs: list[StageGraph] = field(default_factory=list)
     """Every stage's forward graph (all ranks split alike)."""
@@ -61,16 +61,30 @@ class Compilation:
 def capture_step(c: Compilation, ctx: CompileContext):
     """Trace the model on one micro-batch (a sharded model is traced at its whole shapes,
     so a new input signature shards the graph as the first one did)."""
-    with whole_parameters(c.model, c.mesh, c.expert_param_ids):
+    with whole_parameters(c.model, c.mesh, c.layouts):
         c.forward = capture(c.model, c.args, c.kwargs)
     return [("forward", c.forward.gm)]
 
 
 def shard_parameters_step(c: Compilation, ctx: CompileContext):
-    """Replace the model's parameters that the sharding passes split by this rank's
-    shards (tensor- and expert-parallel)."""
-    shard_parameters(c.model, c.forward.gm, ctx)
-    c.expert_param_ids |= shard_expert_parameters(c.model, c.forward.gm, ctx)
+    """Record the split the sharding passes chose for each parameter (`ParamLayout`, by
+    every name of it) and cut the model's parameters to this rank's part, in place."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in c.model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    params = dict(c.model.named_parameters(remove_duplicate=False))
+    local: dict[str, list[int]] = {}
+    for node in c.forward.gm.graph.find_nodes(op="placeholder"):
+        if node.meta.get("mx_slot_kind") != "param":
+            continue
+        blocks = node.meta.get("tp_blocks")
+        layout = ParamLayout(node.meta.get("tp_shard_dim"), tuple(blocks) if blocks else None,
+                             node.meta.get("ep_shard_dim") is not None)
+        if layout.sharded:
+            for name in aliases[id(params[node.meta["mx_slot_key"]])]:
+                c.layouts[name] = layout
+                local[name] = list(node.meta["val"].shape)
+    materialize(c.model, c.layouts, local, c.mesh)
     return [("forward", c.forward.gm)]
 
 

@@ -1,6 +1,6 @@
 """Data-parallel gradient reduction in buckets, and ZeRO-1 sharding of the optimizer state.
 
-    dp = DataParallel.build(step.named_parameters(), expert_ids, plan, mesh)
+    dp = DataParallel.build(step.model_parameters(), step.layouts, plan, mesh)
     dp.reduce()             # after the step: average gradients over the data-parallel ranks
     opt = AdamW(p for _, p in dp.named_shards())   # zero1: this rank's flat shards
     # clipping by the whole gradient's norm: runtime/grad_norm.py
@@ -10,7 +10,7 @@ Layout (`build_buckets`): this rank's trainable parameters, in reverse parameter
 DDP and Megatron-LM: roughly the order the backward produces gradients), are flattened
 into buckets of at most `Plan.bucket_mb` MiB (a larger parameter gets a bucket of its
 own), one collective per bucket. Parameters the expert-parallel pass shards over "ep"
-(their ids in `Step.expert_param_ids`) are reduced over "edp", the ranks holding the same
+(`ParamLayout.ep` in `Step.layouts`) are reduced over "edp", the ranks holding the same
 experts, and never share a bucket with others (reduced over "dp"); nor do parameters of
 different dtypes. With cp > 1 the groups are "dp_cp" and "edp_cp" (`runtime/mesh.py`): a
 context-parallel rank's gradient covers its part of the sequence, and the same collective
@@ -102,9 +102,11 @@ def build_buckets(named_params, expert_ids: set[int], bucket_bytes: int,
     return buckets
 
 
-def bucket_layout(named_params, expert_ids: set[int], plan, mesh: Mesh) -> list[Bucket]:
+def bucket_layout(named_params, layouts: dict, plan, mesh: Mesh) -> list[Bucket]:
     """This rank's buckets for `plan` on `mesh` (groups "dp"/"edp", or "dp_cp"/"edp_cp"
-    with cp > 1), without allocating anything."""
+    with cp > 1), without allocating anything; `layouts`: name -> `ParamLayout`."""
+    named_params = list(named_params)
+    expert_ids = {id(p) for n, p in named_params if n in layouts and layouts[n].ep}
     axes = ("dp_cp", "edp_cp") if mesh.sizes["cp"] > 1 else ("dp", "edp")
     sizes = {axis: mesh.sizes[axis] for axis in axes}
     return build_buckets(named_params, expert_ids, int(plan.bucket_mb * MiB), sizes, axes)
@@ -131,8 +133,8 @@ class DataParallel:
                 bucket.shard = self._make_shard(bucket)
 
     @classmethod
-    def build(cls, named_params, expert_ids: set[int], plan, mesh: Mesh) -> "DataParallel":
-        return cls(bucket_layout(named_params, expert_ids, plan, mesh), mesh, plan.zero1)
+    def build(cls, named_params, layouts: dict, plan, mesh: Mesh) -> "DataParallel":
+        return cls(bucket_layout(named_params, layouts, plan, mesh), mesh, plan.zero1)
 
     def named_shards(self):
         """("zero1.bucket<i>", flat shard) per bucket (ZeRO-1 only)."""

@@ -8,7 +8,8 @@ norm (as Megatron-LM's `clip_grad_norm`). Copies of one gradient:
 
 * data parallel: after the bucket reduction every rank of the bucket's group ("dp", "edp",
   "dp_cp", "edp_cp") holds the same gradient; under ZeRO-1 each holds a disjoint slice instead;
-* tensor parallel: a parameter the TP pass left whole (no `mx_tp_layout`) is on every TP rank;
+* tensor parallel: a parameter the TP pass left whole (no `tp_dim` in `step.layouts`) is on
+  every TP rank;
 * pipeline: a parameter used by stages on several ranks (tied embeddings) is on each of them.
 
 Each gradient is then scaled by `min(1, max_norm / (norm + 1e-6))`. Returns the norm (fp32).
@@ -40,24 +41,26 @@ def clip_grad_norm_(step, max_norm: float) -> torch.Tensor:
 def _gradient_pieces(step):
     sizes = step.mesh.sizes
     holders = _pipeline_holders(step)
+    tp_split = {id(p) for n, p in step.model.named_parameters(remove_duplicate=False)
+                if n in step.layouts and step.layouts[n].tp_dim is not None}
     data_parallel = step.data_parallel
     axis_of = {} if data_parallel is None else {
         id(p): bucket.axis for bucket in data_parallel.buckets for p in bucket.params}
     if step.plan.zero1:
         for bucket in data_parallel.buckets:
             for param, piece in data_parallel.shard_pieces(bucket):
-                yield piece, _model_copies(param, holders, sizes)
+                yield piece, _model_copies(param, holders, sizes, tp_split)
         return
     for _, param in step.model_parameters():
         if param.grad is None:
             continue
         dp_copies = sizes[axis_of[id(param)]] if id(param) in axis_of else 1
-        yield param.grad, dp_copies * _model_copies(param, holders, sizes)
+        yield param.grad, dp_copies * _model_copies(param, holders, sizes, tp_split)
 
 
-def _model_copies(param, holders: dict, sizes: dict) -> int:
+def _model_copies(param, holders: dict, sizes: dict, tp_split: set[int]) -> int:
     """Ranks of one data-parallel replica holding `param`'s gradient."""
-    tp_copies = 1 if hasattr(param, "mx_tp_layout") else sizes["tp"]
+    tp_copies = 1 if id(param) in tp_split else sizes["tp"]
     return tp_copies * holders.get(id(param), 1)
 
 
