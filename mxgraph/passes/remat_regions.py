@@ -35,8 +35,9 @@ whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dt
 * **full** - every forward node of one layer (`meta["custom"]["layer"]`) except the
   layer's outputs (values read by another layer), which stay saved as checkpoints.
 
-Random ops (`nondeterministic_seeded`, e.g. `native_dropout`) are never recomputed: their
-mask stays saved and the dropout output is replayed from it (see remat.py).
+Random ops (`mxgraph.ir.is_random`, e.g. `native_dropout`; not attention with dropout_p=0)
+are never recomputed: their mask stays saved and the dropout output is replayed from it
+(see remat.py).
 """
 from __future__ import annotations
 
@@ -45,11 +46,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from mxgraph.memory_saved import is_alias, is_forward_op, storage_roots
+from mxgraph.ir import (MATMUL_OPS, ancestors, descendants, is_alias, is_forward_op, is_random,
+                        op_name, packet, storage_roots)
 
 aten = torch.ops.aten
-_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul,
-            aten._grouped_mm}
 
 
 @dataclass(frozen=True)
@@ -60,36 +60,9 @@ class Unit:
     nodes: frozenset
 
 
-def packet(node: Node):
-    target = node.target
-    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
-
-
-def op_name(node: Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}::{target._opname}"
-    return getattr(target, "__name__", str(target))
-
-
 def is_matmul(node: Node) -> bool:
-    return node.op == "call_function" and (packet(node) in _MATMULS or op_name(node) in (
+    return node.op == "call_function" and (packet(node) in MATMUL_OPS or op_name(node) in (
         "models::grouped_mm",) or (op_name(node).startswith("mxgraph::") and "mm" in op_name(node)))
-
-
-def is_random(node: Node) -> bool:
-    """An op that draws random numbers: tagged `nondeterministic_seeded`, except attention
-    ops called with `dropout_p=0` (deterministic; the tag covers their dropout path)."""
-    target = node.target
-    if not (isinstance(target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in target.tags):
-        return False
-    names = [a.name for a in target._schema.arguments]
-    if "dropout_p" in names:
-        index = names.index("dropout_p")
-        value = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args) else 0.0)
-        return not (isinstance(value, (int, float)) and value == 0)
-    return True
 
 
 def is_pointwise(node: Node) -> bool:
@@ -315,7 +288,7 @@ def moe_blocks(g: Graph) -> dict:
                                         for u in g.fwd_users(n))]
         ups = set()
         for out in final:
-            ups |= _ancestors(g, out, layer)
+            ups |= ancestors([out], keep=lambda a: a in g.forward_set and layer_of(a) == layer)
         block = (down & ups) | {out for out in final}
         block = {n for n in block if not _is_residual(g, n, down)}
         blocks[layer] = (g.with_aliases(block), block_input, router)
@@ -343,25 +316,9 @@ def _router_projection(g: Graph, topk: Node):
 
 
 def _descendants(g: Graph, start: Node, layer) -> set:
-    out, stack = set(), [start]
-    while stack:
-        m = stack.pop()
-        for u in g.fwd_users(m):
-            if u not in out and layer_of(u) == layer:
-                out.add(u)
-                stack.append(u)
-    return out
-
-
-def _ancestors(g: Graph, end: Node, layer) -> set:
-    out, stack = {end}, [end]
-    while stack:
-        m = stack.pop()
-        for a in m.all_input_nodes:
-            if a not in out and a in g.forward_set and layer_of(a) == layer:
-                out.add(a)
-                stack.append(a)
-    return out
+    """The forward nodes of `layer` that read `start`, transitively (`start` left out)."""
+    return descendants([start], keep=lambda u: u in g.forward_set and layer_of(u) == layer) - {
+        start}
 
 
 def moe_units(g: Graph) -> dict[str, list[set]]:

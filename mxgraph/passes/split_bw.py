@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from mxgraph.ir import ancestors, has_random_tag
 from mxgraph.joint import JointGraph
 
 
@@ -44,18 +45,6 @@ class StagePrograms:
     param_grads: list[tuple[str, Node]]  # (parameter name, gradient node)
 
 
-def _ancestors(roots, stop) -> set[Node]:
-    seen: set[Node] = set()
-    frontier = [r for r in roots if isinstance(r, Node)]
-    while frontier:
-        node = frontier.pop()
-        if node in seen or node in stop:
-            continue
-        seen.add(node)
-        frontier.extend(node.all_input_nodes)
-    return seen
-
-
 def split_bw(joint: JointGraph, num_activations: int) -> StagePrograms:
     gm = joint.gm
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
@@ -76,13 +65,15 @@ def split_bw(joint: JointGraph, num_activations: int) -> StagePrograms:
         elif slot.kind == "param":
             param_grads.append((slot.key, grad))
     placeholder_set = set(placeholders)
-    f_nodes = _ancestors(forward_outputs, placeholder_set)
-    b_nodes = _ancestors(input_grads.values(), placeholder_set | f_nodes)
-    w_nodes = _ancestors([g for _, g in param_grads], placeholder_set | f_nodes | b_nodes)
-    # a random op must run once, in F, so B and W see the values F drew
+    f_nodes = ancestors(forward_outputs, placeholder_set)
+    b_nodes = ancestors(input_grads.values(), placeholder_set | f_nodes)
+    w_nodes = ancestors([g for _, g in param_grads], placeholder_set | f_nodes | b_nodes)
+    # a random op must run once, in F, so B and W see the values F drew. Every op tagged
+    # random moves (`has_random_tag`, not `is_random`): a recomputed SDPA without dropout
+    # goes to F too, as it always has
     for node in list(b_nodes | w_nodes):
-        if node not in needs_tangent and _is_random(node):
-            f_nodes |= _ancestors([node], placeholder_set)
+        if node not in needs_tangent and has_random_tag(node):
+            f_nodes |= ancestors([node], placeholder_set)
     b_nodes -= f_nodes
     w_nodes -= f_nodes | b_nodes
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -95,11 +86,6 @@ def split_bw(joint: JointGraph, num_activations: int) -> StagePrograms:
     backward_weight = _program(gm, w_nodes, {g for _, g in param_grads}, order)
     return StagePrograms(forward, backward_input, backward_weight, placeholders,
                          forward_outputs, input_grads, param_grads)
-
-
-def _is_random(node: Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and \
-        torch.Tag.nondeterministic_seeded in node.target.tags
 
 
 def _reads(nodes: set[Node]) -> set[Node]:
