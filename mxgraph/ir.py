@@ -39,7 +39,7 @@ SHAPE_OPS = VIEW_OPS | COPY_OPS | {aten.expand.default, aten.transpose.int,
 """Ops whose output holds the input's elements, reshaped, transposed, broadcast or copied."""
 MATMUL_OPS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul,
                         aten._grouped_mm})
-"""Matrix-multiply packets."""
+"""Matrix-multiply packets (fused ones: `fused_kind(node) == "matmul"`)."""
 ATTENTION_OPS = frozenset({
     aten.scaled_dot_product_attention, aten._scaled_dot_product_attention_math,
     aten._scaled_dot_product_attention_math_for_mps, aten._scaled_dot_product_flash_attention,
@@ -159,6 +159,29 @@ def storage_roots(gm: GraphModule) -> dict[Node, Node]:
         else:
             roots[node] = node
     return roots
+
+
+# ---- fused kernels --------------------------------------------------------------------
+FUSED_KINDS = ("norm", "act", "attn", "rope", "matmul", "moe", "residual", "loss")
+"""What a fused op computes, for rules that group nodes by role (remat regions)."""
+_FUSED: dict[object, tuple[str, bool]] = {}
+
+
+def register_fused_kind(op, kind: str, *, backward: bool = False) -> None:
+    """Record the kind of an mxgraph op (the kernel registry calls this as it registers
+    each op, so every op that can be in a graph has its entry)."""
+    if kind not in FUSED_KINDS:
+        raise ValueError(f"fused kind {kind!r} is not one of {FUSED_KINDS}")
+    _FUSED[op] = (kind, backward)
+
+
+def fused_kind(node: Node, *, backward: bool = False) -> str | None:
+    """The kind of the fused op `node` calls, None for any other node. Backward ops
+    (`rmsnorm_backward`, `grouped_mm_wgrad`) count only with `backward=True`."""
+    entry = _FUSED.get(node.target) if node.op == "call_function" else None
+    if entry is None or (entry[1] and not backward):
+        return None
+    return entry[0]
 
 
 # ---- graph walks ----------------------------------------------------------------------

@@ -8,9 +8,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx import Graph
 
+import mxgraph.codegen.kernels  # noqa: F401 - registers the fused ops and their kinds
 from mxgraph import ir
+from mxgraph.codegen.kernels import KERNELS
 
 aten = torch.ops.aten
+mx = torch.ops.mxgraph
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -115,6 +118,24 @@ def test_insert_call_sets_fake_value_and_copies_custom():
     given = ir.insert_call(graph, aten.neg.default, (mm,), after=mm, val=x.meta["val"])
     assert given.meta["val"] is x.meta["val"]
     graph.lint()
+
+
+def test_fused_kind_of_fused_ops():
+    graph, (a, b, w) = _graph("a", "b", "w")
+    swiglu = graph.call_function(mx.swiglu.default, (a, b))
+    norm = graph.call_function(mx.rmsnorm.default, (a, w, 1e-6))
+    norm_bwd = graph.call_function(mx.rmsnorm_backward.default, (a, a, w, b))
+    mm = graph.call_function(aten.mm.default, (a, b))
+    assert ir.fused_kind(swiglu) == "act" and ir.fused_kind(norm) == "norm"
+    assert ir.fused_kind(mm) is None
+    assert ir.fused_kind(norm_bwd) is None and ir.fused_kind(norm_bwd, backward=True) == "norm"
+    assert ir.fused_kind(a) is None
+    for name, kernel in KERNELS.items():
+        assert kernel.kind in ir.FUSED_KINDS, name
+        node = graph.call_function(kernel.op, ())
+        assert ir.fused_kind(node, backward=True) == kernel.kind, name
+    with pytest.raises(ValueError):
+        ir.register_fused_kind(mx.swiglu.default, "elementwise")
 
 
 def test_ancestors_descendants_and_closure():

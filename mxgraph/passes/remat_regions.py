@@ -5,16 +5,18 @@ Each rule returns *units*: (kind, layer, stage, nodes). The remat pass recompute
 units a policy names; the offload pass uses the same regions to pick saved values.
 
 Rules (forward nodes only; "projection" = mm/addmm/bmm/linear/grouped_mm with an operand
-whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dtype cast):
+whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dtype cast).
+Fused kernels are recognised by their registered kind (`mxgraph.ir.fused_kind`), never by
+their names:
 
 * **norm** - RMSNorm decomposition: a `rsqrt` whose input is `mean(x*x or pow(x, 2)) + eps`;
   the unit is that chain plus its pointwise descendants whose other operands are the
   normalised input or parameters (x * rsqrt * weight, dtype casts), stopping at the value
-  that feeds a projection. LayerNorm: `native_layer_norm` (+ its outputs). Fused norm
-  custom ops (`mxgraph::*norm*`) count as norms.
-* **act** - `silu`/`gelu` (or a fused `mxgraph::*swiglu*`/`*gelu*` op) plus the pointwise
+  that feeds a projection. LayerNorm: `native_layer_norm` (+ its outputs). Fused ops of
+  kind "norm" (`mxgraph::rmsnorm`, `add_rmsnorm`) count as norms.
+* **act** - `silu`/`gelu` (or a fused op of kind "act": swiglu, bias_gelu) plus the pointwise
   ops that follow it (the SwiGLU `mul`, a bias add) up to the value that feeds a matmul.
-* **attn** - the core attention: an SDPA op (or a fused `mxgraph::*attention*` op), or a
+* **attn** - the core attention: an SDPA op (or a fused op of kind "attn"), or a
   softmax whose input comes from a `bmm` and whose output feeds a `bmm` (math attention);
   the unit grows, until nothing joins, backwards through every non-projection op (RoPE,
   repeat-KV copies, scaling, masks) to the q/k/v projections and forwards to the output
@@ -22,7 +24,8 @@ whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dt
 * **mlp** - an act unit outside an MoE block, plus the projections that feed it (and
   their bias adds) and the projection it feeds.
 * **MoE block** - a layer holding a data-dependent routing op (`sort`, `argsort`) together
-  with a row gather (`index`) or `models::grouped_mm`/`mxgraph::moe*` ops: its block is
+  with a row gather (`index`), `models::grouped_mm` or fused ops of kind "matmul"/"moe"
+  (`mxgraph::moe_*`): its block is
   every forward node of the layer that descends from the router's input and feeds the
   block output (before the residual add). Inside it: router = the projection feeding a
   `topk` and the chain to the gate weights; permute/unpermute = `index`/`index_add`/
@@ -46,8 +49,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from mxgraph.ir import (MATMUL_OPS, ancestors, descendants, is_alias, is_forward_op, is_random,
-                        op_name, packet, storage_roots)
+from mxgraph.ir import (ATTENTION_OPS, MATMUL_OPS, ancestors, descendants, fused_kind, is_alias,
+                        is_forward_op, is_random, op_name, packet, storage_roots)
 
 aten = torch.ops.aten
 
@@ -61,8 +64,9 @@ class Unit:
 
 
 def is_matmul(node: Node) -> bool:
+    """An ATen matmul (`MATMUL_OPS`), `models::grouped_mm` or a fused matmul kernel."""
     return node.op == "call_function" and (packet(node) in MATMUL_OPS or op_name(node) in (
-        "models::grouped_mm",) or (op_name(node).startswith("mxgraph::") and "mm" in op_name(node)))
+        "models::grouped_mm",) or fused_kind(node) == "matmul")
 
 
 def is_pointwise(node: Node) -> bool:
@@ -161,10 +165,8 @@ def _grow_pointwise(g: Graph, unit: set, allowed_inputs: set, stop_at_matmul: bo
 def norm_units(g: Graph) -> list[set]:
     units = []
     for n in g.forward:
-        name = op_name(n)
         if packet(n) in (aten.native_layer_norm, aten.layer_norm, aten.rms_norm,
-                         aten._fused_rms_norm) or (name.startswith("mxgraph::") and "norm" in name
-                                                   and "backward" not in name):
+                         aten._fused_rms_norm) or fused_kind(n) == "norm":
             units.append(g.with_aliases({n}))
             continue
         if packet(n) is not aten.rsqrt:
@@ -194,9 +196,7 @@ def norm_units(g: Graph) -> list[set]:
 def act_units(g: Graph) -> list[set]:
     units = []
     for n in g.forward:
-        name = op_name(n)
-        if packet(n) in (aten.silu, aten.gelu) or (name.startswith("mxgraph::") and (
-                "swiglu" in name or "gelu" in name) and "backward" not in name):
+        if packet(n) in (aten.silu, aten.gelu) or fused_kind(n) == "act":
             unit = _grow_pointwise(g, {n}, set(), stop_at_matmul=True)
             units.append(g.with_aliases(unit))
     return units
@@ -228,9 +228,7 @@ def attn_units(g: Graph) -> list[set]:
     units = []
     taken: set = set()
     for n in g.forward:
-        name = op_name(n)
-        is_sdpa = ("scaled_dot_product" in name or (name.startswith("mxgraph::") and (
-            "attention" in name or "attn" in name))) and "backward" not in name
+        is_sdpa = packet(n) in ATTENTION_OPS or fused_kind(n) == "attn"
         if not (is_sdpa or _is_softmax_attention(g, n)) or n in taken:
             continue
         layer = layer_of(n)
@@ -273,7 +271,7 @@ def moe_blocks(g: Graph) -> dict:
             continue
         routing = [n for n in nodes if packet(n) in (aten.sort, aten.argsort)]
         gathers = [n for n in nodes if packet(n) in (aten.index, aten.index_select)
-                   or op_name(n) == "models::grouped_mm" or op_name(n).startswith("mxgraph::moe")]
+                   or op_name(n) == "models::grouped_mm" or fused_kind(n) in ("matmul", "moe")]
         topks = [n for n in nodes if packet(n) is aten.topk]
         if not routing or not gathers or not topks:
             continue
