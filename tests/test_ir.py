@@ -121,14 +121,17 @@ def test_insert_call_sets_fake_value_and_copies_custom():
 
 
 def test_fused_kind_of_fused_ops():
-    graph, (a, b, w) = _graph("a", "b", "w")
+    graph, (a, b, w, offs) = _graph("a", "b", "w", "offs")
     swiglu = graph.call_function(mx.swiglu.default, (a, b))
     norm = graph.call_function(mx.rmsnorm.default, (a, w, 1e-6))
     norm_bwd = graph.call_function(mx.rmsnorm_backward.default, (a, a, w, b))
+    gmm = graph.call_function(mx.grouped_mm.default, (a, w, offs))
+    wgrad = graph.call_function(mx.grouped_mm_wgrad.default, (a, b, offs))
     mm = graph.call_function(aten.mm.default, (a, b))
     assert ir.fused_kind(swiglu) == "act" and ir.fused_kind(norm) == "norm"
-    assert ir.fused_kind(mm) is None
+    assert ir.fused_kind(gmm) == "matmul" and ir.fused_kind(mm) is None
     assert ir.fused_kind(norm_bwd) is None and ir.fused_kind(norm_bwd, backward=True) == "norm"
+    assert ir.fused_kind(wgrad) is None and ir.fused_kind(wgrad, backward=True) == "matmul"
     assert ir.fused_kind(a) is None
     for name, kernel in KERNELS.items():
         assert kernel.kind in ir.FUSED_KINDS, name

@@ -24,8 +24,8 @@ their names:
 * **mlp** - an act unit outside an MoE block, plus the projections that feed it (and
   their bias adds) and the projection it feeds.
 * **MoE block** - a layer holding a data-dependent routing op (`sort`, `argsort`) together
-  with a row gather (`index`), `models::grouped_mm` or fused ops of kind "matmul"/"moe"
-  (`mxgraph::moe_*`): its block is
+  with a row gather (`index`) or fused ops of kind "matmul"/"moe" (`mxgraph::grouped_mm`,
+  `mxgraph::moe_*`): its block is
   every forward node of the layer that descends from the router's input and feeds the
   block output (before the residual add). Inside it: router = the projection feeding a
   `topk` and the chain to the gate weights; permute/unpermute = `index`/`index_add`/
@@ -50,7 +50,8 @@ import torch
 from torch.fx import Node
 
 from mxgraph.ir import (ATTENTION_OPS, MATMUL_OPS, ancestors, descendants, fused_kind, is_alias,
-                        is_forward_op, is_random, op_name, packet, storage_roots)
+                        is_forward_op, is_random, packet, storage_roots)
+from mxgraph.ir import op_name  # noqa: F401 - memory_plan imports it from here
 
 aten = torch.ops.aten
 
@@ -64,9 +65,9 @@ class Unit:
 
 
 def is_matmul(node: Node) -> bool:
-    """An ATen matmul (`MATMUL_OPS`), `models::grouped_mm` or a fused matmul kernel."""
-    return node.op == "call_function" and (packet(node) in MATMUL_OPS or op_name(node) in (
-        "models::grouped_mm",) or fused_kind(node) == "matmul")
+    """An ATen matmul (`MATMUL_OPS`) or a fused matmul kernel (`mxgraph::grouped_mm`)."""
+    return node.op == "call_function" and (packet(node) in MATMUL_OPS
+                                           or fused_kind(node) == "matmul")
 
 
 def is_pointwise(node: Node) -> bool:
@@ -271,7 +272,7 @@ def moe_blocks(g: Graph) -> dict:
             continue
         routing = [n for n in nodes if packet(n) in (aten.sort, aten.argsort)]
         gathers = [n for n in nodes if packet(n) in (aten.index, aten.index_select)
-                   or op_name(n) == "models::grouped_mm" or fused_kind(n) in ("matmul", "moe")]
+                   or fused_kind(n) in ("matmul", "moe")]
         topks = [n for n in nodes if packet(n) is aten.topk]
         if not routing or not gathers or not topks:
             continue

@@ -5,7 +5,7 @@ and op, never by names. A dropless expert block is rows X [N, ...] sorted by exp
 per-expert row counts [E] (`counts`), and the experts' computation on those rows, in
 one of two forms:
 
-  grouped:  offs = cumsum(counts); models::grouped_mm(rows, W, offs) for expert
+  grouped:  offs = cumsum(counts); mxgraph::grouped_mm(rows, W, offs) for expert
             weights W = a parameter [E, ...] (through transposes/permutes that keep dim 0
             and dtype casts), with row-wise pointwise ops between them, from X to one
             exit Y [N, ...].
@@ -42,18 +42,19 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+import mxgraph.codegen.kernels  # noqa: F401 - registers mxgraph::grouped_mm
 import mxgraph.runtime.collectives_ep  # noqa: F401 - registers the all-to-all ops
 from mxgraph.capture import set_parameter
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
-from mxgraph.ir import COPY_LIKE_OPS, ancestors, closure, descendants, insert_call
+from mxgraph.ir import COPY_LIKE_OPS, ancestors, closure, descendants, insert_call, is_op
 from mxgraph.passes.shard_tp import repropagate
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
 
-GROUPED_MM = "models::grouped_mm"  # (rows, weights [G, I, O], offs [G]) -> rows
+GROUPED_MM = mx.grouped_mm.default  # (rows, weights [G, I, O], offs [G]) -> rows
 WEIGHT_VIEWS = COPY_LIKE_OPS | {aten.transpose.int, aten.permute.default}
 """Ops between an expert weight [E, ...] and its GEMM that keep dim 0 (permutes checked)."""
 ROW_OPS = COPY_LIKE_OPS | {aten.type_as.default}
@@ -66,8 +67,7 @@ HINT = ("expert parallelism shards dropless MoE blocks (expert_impl='grouped_mm'
 
 
 def _is_grouped_mm(node: Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-        and node.target.name() == GROUPED_MM
+    return is_op(node, GROUPED_MM)
 
 
 def _where(node: Node) -> str:

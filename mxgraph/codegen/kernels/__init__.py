@@ -34,6 +34,8 @@ module                                 ops (``torch.ops.mxgraph.*``)
                                        counts); moe_unpermute(rows, row_map, probs)
 ``moe_router``                         moe_router(logits, bias?, topk, score_func, num_groups,
                                        topk_groups, normalize, route_scale) -> (probs, ids, counts)
+``grouped_mm``                         grouped_mm(x, w, offs); grouped_mm_wgrad(x, grad_out, offs)
+                                       (reference only, not in ``KERNELS``: no Triton path)
 =====================================  ============================================================
 
 Each op has a *kind* (``mxgraph.ir.FUSED_KINDS``: norm, act, attn, rope, matmul, moe, residual,
@@ -71,6 +73,7 @@ class Kernel:
 
 from mxgraph.codegen.kernels import (  # noqa: E402
     bias_dropout_add, bias_gelu, gqa, linear_cross_entropy, moe_permute, moe_router, rmsnorm, rope, swiglu)
+from mxgraph.codegen.kernels import grouped_mm  # noqa: E402, F401 - registers mxgraph::grouped_mm*
 
 KERNELS: dict[str, Kernel] = {}
 
@@ -111,3 +114,7 @@ def _register(name: str, kind: str, reference: Callable, triton: Callable) -> No
 
 for _name, _kind, _module, _impl in _TABLE:
     _register(_name, _kind, getattr(_module, f"{_impl}_reference"), getattr(_module, f"{_impl}_triton"))
+
+# Reference-only ops (no Triton path, so not in KERNELS): their kind all the same.
+register_fused_kind(torch.ops.mxgraph.grouped_mm.default, "matmul")
+register_fused_kind(torch.ops.mxgraph.grouped_mm_wgrad.default, "matmul", backward=True)
