@@ -15,7 +15,7 @@ optionally renormalised (``norm_topk_prob``), times ``route_scale``.
 
 Dispatch is dropless by default: assignments are sorted by expert; with ``expert_impl="loop"``
 per-expert counts become unbacked SymInts when traced (``torch._check`` bounds them), with
-``"grouped_mm"`` they stay in an offsets tensor fed to the ``models::grouped_mm`` custom op;
+``"grouped_mm"`` they stay in an offsets tensor fed to the ``mxgraph::grouped_mm`` custom op;
 either way one traced graph serves every routing. Tracing "loop" with
 ``aot_export_joint_with_descriptors`` needs fake inputs from a ``FakeTensorMode`` that has a
 ``ShapeEnv`` (a static fake mode cannot hold unbacked SymInts); ``torch.export`` works as is.
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from models.common import (RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, causal_attention,
                            init_normal_, lm_loss)
 from models.llama import GQAttention
+from mxgraph.codegen.kernels.grouped_mm import grouped_mm
 
 
 @dataclass(kw_only=True)
@@ -108,7 +109,7 @@ class MoEConfig:
     expert_impl: Literal["loop", "grouped_mm"] = "loop"
     """Dropless expert compute: "loop" runs each expert on its slice in plain ATen (per-expert
     counts become unbacked SymInts when traced: ~0.1 s of tracing per expert per layer);
-    "grouped_mm" runs all experts in three ``models::grouped_mm`` custom ops with an offsets
+    "grouped_mm" runs all experts in three ``mxgraph::grouped_mm`` custom ops with an offsets
     tensor (static shapes, any dtype: traces 256 experts x 58 layers quickly)."""
 
     def __post_init__(self):
@@ -253,60 +254,6 @@ def dispatch_dropless(x_TD: torch.Tensor, weights_TK: torch.Tensor, expert_ids_T
     y_rows = torch.cat(outs, dim=0)
     w_rows = weights_TK.reshape(-1)[order].to(y_rows.dtype)
     return torch.zeros_like(x_TD).index_add(0, token_of_row, y_rows * w_rows[:, None])
-
-
-@torch.library.custom_op("models::grouped_mm", mutates_args=())
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` [N, I] sorted by group; group g owns rows offs[g-1]:offs[g] (offs [G],
-    cumulative ends) and multiplies them by ``w[g]`` [I, O]. Rows past offs[-1] give 0.
-
-    Reference implementation (CPU and oracle); same contract as ``torch._grouped_mm`` with
-    ``offs``, which a codegen pass may substitute where it is supported (bf16 on CUDA).
-    """
-    out = x.new_zeros(x.shape[0], w.shape[2])
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = x[start:end] @ w[g]
-        start = end
-    return out
-
-
-@grouped_mm.register_fake
-def _grouped_mm_fake(x, w, offs):
-    return x.new_empty(x.shape[0], w.shape[2])
-
-
-@torch.library.custom_op("models::grouped_mm_wgrad", mutates_args=())
-def grouped_mm_wgrad(x: torch.Tensor, grad_out: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Weight gradient of ``grouped_mm``: [G, I, O] with ``x_g.T @ grad_out_g`` per group."""
-    grad_w = x.new_zeros(offs.shape[0], x.shape[1], grad_out.shape[1])
-    start = 0
-    for g, end in enumerate(offs.tolist()):
-        if end > start:
-            grad_w[g] = x[start:end].T @ grad_out[start:end]
-        start = end
-    return grad_w
-
-
-@grouped_mm_wgrad.register_fake
-def _grouped_mm_wgrad_fake(x, grad_out, offs):
-    return x.new_empty(offs.shape[0], x.shape[1], grad_out.shape[1])
-
-
-def _grouped_mm_setup_context(ctx, inputs, output):
-    x, w, offs = inputs
-    ctx.save_for_backward(x, w, offs)
-
-
-def _grouped_mm_backward(ctx, grad_out):
-    x, w, offs = ctx.saved_tensors
-    grad_x = grouped_mm(grad_out, w.transpose(1, 2), offs) if ctx.needs_input_grad[0] else None
-    grad_w = grouped_mm_wgrad(x, grad_out, offs) if ctx.needs_input_grad[1] else None
-    return grad_x, grad_w, None
-
-
-grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup_context)
 
 
 def dispatch_grouped_mm(x_TD: torch.Tensor, weights_TK: torch.Tensor,

@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 from torch.fx import Node
 
+from mxgraph.ir import ALIAS_OPS, MATMUL_OPS, schema_arg
+
 aten = torch.ops.aten
 
 
@@ -27,9 +29,10 @@ class Cost:
 
 
 FLOP_RULES: dict[object, Callable[..., int]] = {}
-FREE_OPS = {aten.detach, aten.alias, aten._unsafe_view, aten.lift_fresh_copy,
-            aten._assert_tensor_metadata,
-            aten.sym_size, aten.sym_numel, aten.sym_stride}
+FREE_OPS = {op.overloadpacket for op in ALIAS_OPS} | {
+    aten.lift_fresh_copy, aten._assert_tensor_metadata, aten.sym_size, aten.sym_numel,
+    aten.sym_stride}
+"""Packets that move no bytes and cost no FLOPs (besides views, which are free too)."""
 
 
 def flop_rule(*packets):
@@ -58,16 +61,6 @@ def _numel(shape) -> int:
     return int(math.prod(concrete(d) for d in shape))
 
 
-def schema_arg(node: Node, name: str, default=None):
-    """The value of argument `name` of an ATen op node, positional or keyword."""
-    if name in node.kwargs:
-        return node.kwargs[name]
-    for i, arg in enumerate(node.target._schema.arguments):
-        if arg.name == name:
-            return node.args[i] if i < len(node.args) else default
-    return default
-
-
 def tensor_meta(value) -> list[torch.Tensor]:
     """The tensors in a node's meta['val'] (a tensor, or a tuple/list of them)."""
     if isinstance(value, torch.Tensor):
@@ -91,8 +84,7 @@ def _arg_tensors(node: Node) -> list[torch.Tensor]:
     return found
 
 
-@flop_rule(aten.mm, aten.bmm, aten.matmul, aten.addmm, aten.baddbmm, aten.linear,
-           aten._grouped_mm)
+@flop_rule(*MATMUL_OPS)
 def _matmul_flops(node, outs, ins):
     # 2 * (output elements) * (contracted dimension); the contracted dim is the last
     # dim of the first matrix operand.

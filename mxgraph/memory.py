@@ -11,20 +11,22 @@ import torch
 from torch.fx import Node
 
 from mxgraph.cost import value_bytes
+from mxgraph.ir import IDENTITY_OPS
 
 
 def storage_root(node: Node, roots: dict[Node, Node]) -> Node:
-    """The node that owns the storage of `node`'s value (itself unless it aliases).
+    """The node whose allocation keeps `node`'s value alive (itself unless it aliases).
 
-    Views and detach alias their first input; a getitem aliases the multi-output op it
-    reads, so all outputs of such an op live as long as the last one is used.
+    Views and `IDENTITY_OPS` alias their first input; a getitem aliases the multi-output
+    op it reads, so all outputs of such an op live as long as the last one is used. This
+    is a liveness model, coarser than `mxgraph.ir.storage_roots` (the saved-activation
+    count, where only the getitems of view ops alias and `_unsafe_view` does too).
     """
     target = node.target
     aliases = node.op == "call_function" and (
         getattr(target, "__name__", "") == "getitem"
         or (isinstance(target, torch._ops.OpOverload)
-            and (target.is_view or target.overloadpacket in (torch.ops.aten.detach,
-                                                             torch.ops.aten.alias))))
+            and (target.is_view or target in IDENTITY_OPS)))
     if aliases and node.all_input_nodes:
         base = node.all_input_nodes[0]
         return roots.get(base, base)

@@ -5,13 +5,13 @@ The joint graph runs forward nodes first, then backward nodes (`partitioner_tag`
 the first backward node runs (parameters and inputs excluded): exactly what a forward
 module would pass to a backward module if the graph were split at that point.
 
-* `saved_roots(gm)` / `estimate_saved_bytes(gm)`: from the graph alone (no run). A value
-  is counted once per storage: views, `_unsafe_view` and the getitems of a view-returning
-  op (split, unbind) share their base's storage; the getitems of other multi-output ops
-  (attention, layer norm, topk) own their storage. Data-dependent (unbacked) sizes
+* `saved_roots(gm)` / `estimate_saved(gm)`: from the graph alone (no run). A value
+  is counted once per storage (`mxgraph.ir.storage_roots`): views, `_unsafe_view` and the
+  getitems of a view-returning op (split, unbind) share their base's storage; the getitems
+  of other multi-output ops (attention, layer norm, topk) own their storage. Data-dependent (unbacked) sizes
   count at their balanced share (see `size_hints`). Values moved to the host by the
   offload pass count apart, as host bytes.
-* `measure_saved_bytes(gm, args)`: runs the graph (an fx Interpreter that frees each value
+* `measure_saved(gm, args)`: runs the graph (an fx Interpreter that frees each value
   after its last use, like the generated code) and, right before the first backward node,
   sums the storages of the live tensors that are not parameters or inputs.
 """
@@ -24,44 +24,9 @@ from torch.fx import Node
 
 from mxgraph.capture import flat_inputs, model_tensors, slot_tensor
 from mxgraph.cost import concrete, tensor_meta
+from mxgraph.ir import is_backward, storage_roots
 
 aten = torch.ops.aten
-_ALIAS_PACKETS = {aten.detach, aten.alias, aten._unsafe_view}
-
-
-def is_backward(node: Node) -> bool:
-    return node.meta.get("partitioner_tag") == "is_backward"
-
-
-def is_forward_op(node: Node) -> bool:
-    return node.op == "call_function" and not is_backward(node)
-
-
-def is_alias(node: Node) -> bool:
-    """True when `node`'s value shares the storage of its first input."""
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if getattr(target, "_mxgraph_alias", False):
-        return True
-    if getattr(target, "__name__", "") == "getitem":
-        parent = node.args[0]
-        return isinstance(parent, Node) and parent.op == "call_function" and isinstance(
-            parent.target, torch._ops.OpOverload) and parent.target.is_view
-    return isinstance(target, torch._ops.OpOverload) and (
-        target.is_view or target.overloadpacket in _ALIAS_PACKETS)
-
-
-def storage_roots(gm: torch.fx.GraphModule) -> dict[Node, Node]:
-    """node -> the node that owns its storage."""
-    roots: dict[Node, Node] = {}
-    for node in gm.graph.nodes:
-        if is_alias(node) and node.all_input_nodes:
-            base = node.args[0] if isinstance(node.args[0], Node) else node.all_input_nodes[0]
-            roots[node] = roots.get(base, base)
-        else:
-            roots[node] = node
-    return roots
 
 
 def size_hints(gm: torch.fx.GraphModule) -> dict:
@@ -156,11 +121,6 @@ def estimate_saved(gm: torch.fx.GraphModule) -> SavedSummary:
                         values)
 
 
-def estimate_saved_bytes(gm: torch.fx.GraphModule) -> int:
-    """Device bytes of saved activations, from the graph alone."""
-    return estimate_saved(gm).device_bytes
-
-
 class _BoundaryProbe(torch.fx.Interpreter):
     """Runs the graph; before the first backward node, records the live storages."""
 
@@ -238,6 +198,5 @@ def relative_gap(estimate: int, measured: int) -> float:
     return abs(estimate - measured) / max(measured, 1)
 
 
-__all__ = ["SavedSummary", "boundary", "estimate_saved", "estimate_saved_bytes", "is_alias",
-           "is_backward", "is_forward_op", "measure_saved", "measure_step", "node_bytes",
-           "relative_gap", "saved_roots", "size_hints", "storage_roots"]
+__all__ = ["SavedSummary", "boundary", "estimate_saved", "measure_saved", "measure_step",
+           "node_bytes", "relative_gap", "saved_roots", "size_hints"]

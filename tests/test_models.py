@@ -229,7 +229,7 @@ def test_moe_dispatch_matches_dense_reference(score_func, groups, expert_impl):
 
 
 def test_grouped_mm_op_matches_loop_and_passes_opcheck():
-    from models.moe import grouped_mm
+    from mxgraph.codegen.kernels.grouped_mm import grouped_mm
     torch.manual_seed(0)
     x = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
     w = torch.randn(4, 6, 5, dtype=torch.float64, requires_grad=True)

@@ -5,7 +5,8 @@ import torch
 import models
 import mxgraph as mx
 from mxgraph.errors import PlanError
-from mxgraph.memory_saved import estimate_saved, is_alias, measure_step
+from mxgraph.ir import is_alias
+from mxgraph.memory_saved import estimate_saved, measure_step
 from mxgraph.plan import parse_offload
 from mxgraph.runtime.offload import get_pool
 from tests.helpers import batch

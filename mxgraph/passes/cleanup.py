@@ -8,13 +8,13 @@ import torch
 from torch.fx import GraphModule
 
 from mxgraph.context import CompileContext
+from mxgraph.ir import IDENTITY_OPS, is_mutating, is_random
 
 aten = torch.ops.aten
-_IDENTITY = {aten.alias.default, aten.detach.default}
 
 
 def _is_identity(node: torch.fx.Node) -> bool:
-    if node.target in _IDENTITY:
+    if node.target in IDENTITY_OPS:
         return True
     if node.target in (aten.dropout.default,):  # dropout(x, p, train)
         return node.args[1] == 0 or node.args[2] is False
@@ -48,12 +48,11 @@ def remove_noop_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
 
 
 def _has_side_effects(node: torch.fx.Node) -> bool:
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload):
+    """Random ops advance the generator (removing one would change later draws), mutating
+    ops write an input, impure ones act outside the graph."""
+    if not isinstance(node.target, torch._ops.OpOverload):
         return node.op == "call_function" and node.is_impure()
-    # random ops advance the generator: removing one would change later random draws
-    return (torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable
-            or node.is_impure())
+    return is_random(node) or is_mutating(node) or node.is_impure()
 
 
 def dead_code_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from mxgraph.passes.fuse_patterns_base import (Match, Pattern, Rewriter, argument, commuted, dtype,
-                                               getitem_of, is_bias_for, is_op, is_tensor, linear_parts,
+from mxgraph.ir import is_op, schema_arg
+from mxgraph.passes.fuse_patterns_base import (Match, Pattern, Rewriter, commuted, dtype,
+                                               getitem_of, is_bias_for, is_tensor, linear_parts,
                                                only_users, plain_add, replace, shape)
 
 aten = torch.ops.aten
@@ -101,14 +102,14 @@ class SwiGLU(Pattern):
 
 def _last_dim_halves(cut: Node, n: int) -> bool:
     ndim = len(shape(cut.args[0]))
-    dim = argument(cut, "dim")
+    dim = schema_arg(cut, "dim")
     if dim not in (-1, ndim - 1):
         return False
     if is_op(cut, aten.chunk):
         return cut.args[1] == 2
     if is_op(cut, aten.split):
-        return argument(cut, "split_size") == n
-    return list(argument(cut, "split_sizes")) == [n, n]
+        return schema_arg(cut, "split_size") == n
+    return list(schema_arg(cut, "split_sizes")) == [n, n]
 
 
 class BiasGelu(Pattern):
@@ -124,7 +125,7 @@ class BiasGelu(Pattern):
     def match(self, node: Node, rw: Rewriter):
         if not is_op(node, aten.gelu.default):
             return None
-        approximate = argument(node, "approximate")
+        approximate = schema_arg(node, "approximate")
         if approximate not in ("none", "tanh"):
             return None
         src = node.args[0]
@@ -172,7 +173,7 @@ class BiasDropoutAdd(Pattern):
         for residual, branch in commuted(node):
             p, training, inner = 0.0, False, branch
             if is_op(branch, aten.dropout.default):
-                p, training, inner = argument(branch, "p"), argument(branch, "train"), branch.args[0]
+                p, training, inner = schema_arg(branch, "p"), schema_arg(branch, "train"), branch.args[0]
                 if not only_users(branch, {node}):
                     continue
             x, bias, linear = inner, None, None

@@ -7,20 +7,21 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from mxgraph.passes.fuse_patterns_base import (VIEWS, Match, Pattern, Rewriter, argument, commuted,
-                                               dtype, erase_dead, getitem_of, halves, is_float_cast,
-                                               is_op, last_dim, norm_dim, only_users, plain_add,
-                                               replace, shape, slice_range, strided_halves)
+from mxgraph.ir import VIEW_OPS, is_op, schema_arg
+from mxgraph.passes.fuse_patterns_base import (Match, Pattern, Rewriter, commuted, dtype,
+                                               erase_dead, getitem_of, halves, is_float_cast,
+                                               last_dim, norm_dim, only_users, plain_add, replace,
+                                               shape, slice_range, strided_halves)
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
-_RESHAPES = VIEWS + (aten.flatten.using_ints,)
+_RESHAPES = VIEW_OPS | {aten.flatten.using_ints}
 
 
 # ---- RoPE ----------------------------------------------------------------------------------
 def _rotation(r):
     """(x, interleaved, nodes) when `r` is rotate-half(x) or rotate-every-two(x)."""
-    if is_op(r, aten.cat.default) and len(r.args[0]) == 2 and last_dim(argument(r, "dim"), len(shape(r))):
+    if is_op(r, aten.cat.default) and len(r.args[0]) == 2 and last_dim(schema_arg(r, "dim"), len(shape(r))):
         neg, x1 = r.args[0]
         if is_op(neg, aten.neg.default):
             found = halves(x1, neg.args[0])
@@ -34,7 +35,7 @@ def _rotation(r):
         neg, x1 = parts
         x2 = neg.args[0]
         ndim = len(shape(x1))
-        dim = norm_dim(argument(stack, "dim"), ndim + 1)
+        dim = norm_dim(schema_arg(stack, "dim"), ndim + 1)
         nodes = [r, stack, neg, x1, x2]
         if dim == ndim:                   # pairs (2i, 2i+1): interleaved
             src = strided_halves(x1, x2)
@@ -52,7 +53,7 @@ def _cut(half) -> list:
 
 
 def _base(node):
-    while is_op(node, aten.unsqueeze.default, *VIEWS):
+    while is_op(node, aten.unsqueeze.default, *VIEW_OPS):
         node = node.args[0]
     return node
 
@@ -174,7 +175,7 @@ class RoPE(Pattern):
             if not is_op(c, aten.view_as_complex.default) or not isinstance(freqs, Node):
                 continue
             pairs = c.args[0]
-            if not is_op(pairs, *VIEWS) or shape(pairs)[-1] != 2:
+            if not is_op(pairs, *VIEW_OPS) or shape(pairs)[-1] != 2:
                 continue
             x = pairs.args[0]
             if shape(x) == shape(node) and shape(pairs)[:-2] == shape(x)[:-1]:
@@ -189,7 +190,7 @@ class RoPE(Pattern):
         cat = next(iter(out.users))
         if not is_op(cat, aten.cat.default) or len(cat.args[0]) != 2 or cat.args[0][0] is not out:
             return None
-        if not last_dim(argument(cat, "dim"), len(shape(cat))):
+        if not last_dim(schema_arg(cat, "dim"), len(shape(cat))):
             return None
         rest = cat.args[0][1]
         if not (is_op(x, aten.slice.Tensor) and is_op(rest, aten.slice.Tensor) and x.args[0] is rest.args[0]):
@@ -197,7 +198,7 @@ class RoPE(Pattern):
         whole = x.args[0]
         n, r = shape(whole)[-1], shape(x)[-1]
         ndim = len(shape(whole))
-        if not (last_dim(argument(x, "dim"), ndim) and last_dim(argument(rest, "dim"), ndim)):
+        if not (last_dim(schema_arg(x, "dim"), ndim) and last_dim(schema_arg(rest, "dim"), ndim)):
             return None
         if slice_range(x, n) != (0, r, 1) or slice_range(rest, n) != (r, n, 1):
             return None
@@ -254,19 +255,19 @@ def _unrepeat(node):
         layout.append(node)
         node = node.args[0]
     if is_op(node, aten.repeat_interleave.self_int):
-        base, rep, dim = node.args[0], argument(node, "repeats"), argument(node, "dim")
+        base, rep, dim = node.args[0], schema_arg(node, "repeats"), schema_arg(node, "dim")
         if dim is None or not isinstance(rep, int):
             return None
         return base, rep, norm_dim(dim, len(shape(base))), layout[::-1], layout + [node]
-    if is_op(node, *VIEWS) and is_op(node.args[0], aten.expand.default):
+    if is_op(node, *VIEW_OPS) and is_op(node.args[0], aten.expand.default):
         expand = node.args[0]
         unsq = expand.args[0]
         if not is_op(unsq, aten.unsqueeze.default):
             return None
         base = unsq.args[0]
         while is_op(base, aten.slice.Tensor) and slice_range(base, shape(base.args[0])[norm_dim(
-                argument(base, "dim"), len(shape(base)))]) == (0, shape(base)[norm_dim(
-                    argument(base, "dim"), len(shape(base)))], 1) and shape(base) == shape(base.args[0]):
+                schema_arg(base, "dim"), len(shape(base)))]) == (0, shape(base)[norm_dim(
+                    schema_arg(base, "dim"), len(shape(base)))], 1) and shape(base) == shape(base.args[0]):
             base = base.args[0]           # x[:, :, :] full slices
         bs = shape(base)
         u = norm_dim(unsq.args[1], len(bs) + 1)
@@ -310,15 +311,15 @@ class RepeatGQA(Pattern):
     def match(self, node: Node, rw: Rewriter):
         if not is_op(node, aten.scaled_dot_product_attention.default):
             return None
-        if argument(node, "attn_mask") is not None or argument(node, "dropout_p") != 0.0:
+        if schema_arg(node, "attn_mask") is not None or schema_arg(node, "dropout_p") != 0.0:
             return None
         q, k, v = node.args[:3]
         if len(shape(q)) != 4 or shape(k) != shape(v):
             return None
-        scale = argument(node, "scale")
+        scale = schema_arg(node, "scale")
         scale = 1.0 / math.sqrt(shape(q)[-1]) if scale is None else float(scale)
-        causal = bool(argument(node, "is_causal"))
-        if argument(node, "enable_gqa"):  # SDPA repeats the kv heads itself
+        causal = bool(schema_arg(node, "is_causal"))
+        if schema_arg(node, "enable_gqa"):  # SDPA repeats the kv heads itself
             if shape(k)[1] == shape(q)[1] or shape(q)[1] % shape(k)[1]:
                 return None
             return Match(node, [node], {"q": q, "k": (k, 1, 1, [], []), "v": (v, 1, 1, [], []),

@@ -1,52 +1,28 @@
 """The small graph toolkit the fusion patterns are written with.
 
 `Rewriter` inserts new nodes with `meta["val"]` computed by running the op on the inputs'
-fake values under the graph's fake mode, and copies the provenance (`meta["custom"]`,
-`nn_module_stack`) of the node a fused op replaces, adding `tags=("fused:<kind>",)` and
-`fused_from=[names]`. The predicates (`is_op`, `argument`, `skip_casts`, ...) read fx nodes
+fake values under the graph's fake mode (`mxgraph.ir.insert_call`), and copies the
+provenance (`meta["custom"]`, `nn_module_stack`) of the node a fused op replaces, adding
+`tags=("fused:<kind>",)` and `fused_from=[names]`. The predicates (`mxgraph.ir.is_op`,
+`schema_arg`, and here `skip_casts`, `halves`, ...) read fx nodes
 of the torch.export training IR structurally: by op and by the shapes and dtypes in
 `meta["val"]`, never by module or parameter names.
 """
 from __future__ import annotations
 
-import contextlib
 import operator
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.fx import Graph, GraphModule, Node
+
+from mxgraph.ir import CAST_OPS, graph_fake_mode, insert_call, is_mutating, is_op, schema_arg
 
 aten = torch.ops.aten
 
-CASTS = (aten.to.dtype, aten._to_copy.default, aten.type_as.default, aten.to.dtype_layout)
-VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
 
 # ---- reading nodes ------------------------------------------------------------------------
-def is_op(node, *targets) -> bool:
-    """`node` is a call of one of `targets` (op overloads, or overload packets)."""
-    if not isinstance(node, Node) or node.op != "call_function":
-        return False
-    target = node.target
-    return target in targets or getattr(target, "overloadpacket", None) in targets
-
-
-def argument(node: Node, name: str):
-    """The value of the schema argument `name` (positional, keyword or default)."""
-    schema = node.target._schema
-    for index, arg in enumerate(schema.arguments):
-        if arg.name != name:
-            continue
-        if not arg.kwarg_only and index < len(node.args):
-            return node.args[index]
-        if name in node.kwargs:
-            return node.kwargs[name]
-        return arg.default_value if arg.has_default_value() else None
-    raise KeyError(f"{node.target} has no argument {name!r}")
-
-
 def val(node):
     """The fake value of a node (None for non-nodes and nodes without one)."""
     return node.meta.get("val") if isinstance(node, Node) else None
@@ -76,7 +52,7 @@ def norm_dim(dim: int, ndim: int) -> int:
 
 def is_float_cast(node) -> bool:
     """A dtype conversion between floating dtypes (possibly to the same dtype)."""
-    if not is_op(node, *CASTS) or not is_tensor(node.args[0]):
+    if not is_op(node, *CAST_OPS) or not is_tensor(node.args[0]):
         return False
     if node.target is aten._to_copy.default and set(node.kwargs) - {"dtype"}:
         return False
@@ -116,19 +92,19 @@ def halves(a, b):
         if n is None or n % 2:
             return None
         if is_op(cut, aten.chunk):
-            ok = cut.args[1] == 2 and last_dim(argument(cut, "dim"), len(shape(src)))
+            ok = cut.args[1] == 2 and last_dim(schema_arg(cut, "dim"), len(shape(src)))
         elif is_op(cut, aten.split):
-            ok = (argument(cut, "split_size") == n // 2
-                  and last_dim(argument(cut, "dim"), len(shape(src))))
+            ok = (schema_arg(cut, "split_size") == n // 2
+                  and last_dim(schema_arg(cut, "dim"), len(shape(src))))
         else:
-            ok = (list(argument(cut, "split_sizes")) == [n // 2, n // 2]
-                  and last_dim(argument(cut, "dim"), len(shape(src))))
+            ok = (list(schema_arg(cut, "split_sizes")) == [n // 2, n // 2]
+                  and last_dim(schema_arg(cut, "dim"), len(shape(src))))
         return (src, -1) if ok else None
     if is_op(a, aten.slice.Tensor) and is_op(b, aten.slice.Tensor) and a.args[0] is b.args[0]:
         src = a.args[0]
         ndim = len(shape(src))
         n = shape(src)[-1]
-        if n % 2 or not (last_dim(argument(a, "dim"), ndim) and last_dim(argument(b, "dim"), ndim)):
+        if n % 2 or not (last_dim(schema_arg(a, "dim"), ndim) and last_dim(schema_arg(b, "dim"), ndim)):
             return None
         if slice_range(a, n) == (0, n // 2, 1) and slice_range(b, n) == (n // 2, n, 1):
             return src, -1
@@ -141,7 +117,7 @@ def strided_halves(a, b):
         return None
     src = a.args[0]
     ndim, n = len(shape(src)), shape(src)[-1]
-    if n % 2 or not (last_dim(argument(a, "dim"), ndim) and last_dim(argument(b, "dim"), ndim)):
+    if n % 2 or not (last_dim(schema_arg(a, "dim"), ndim) and last_dim(schema_arg(b, "dim"), ndim)):
         return None
     if slice_range(a, n) == (0, n, 2) and slice_range(b, n) == (1, n, 2):
         return src
@@ -150,7 +126,7 @@ def strided_halves(a, b):
 
 def slice_range(node: Node, size: int) -> tuple[int, int, int]:
     """(start, end, step) of an aten.slice with the bounds clamped to `size`."""
-    start, end, step = (argument(node, "start"), argument(node, "end"), argument(node, "step"))
+    start, end, step = (schema_arg(node, "start"), schema_arg(node, "end"), schema_arg(node, "step"))
     start = 0 if start is None else (start + size if start < 0 else start)
     end = size if end is None else (end + size if end < 0 else end)
     return max(0, min(start, size)), max(0, min(end, size)), step or 1
@@ -164,7 +140,7 @@ def commuted(node: Node):
 
 def plain_add(node) -> bool:
     """aten.add.Tensor of two tensors without alpha."""
-    return (is_op(node, aten.add.Tensor) and argument(node, "alpha") in (None, 1)
+    return (is_op(node, aten.add.Tensor) and schema_arg(node, "alpha") in (None, 1)
             and is_tensor(node.args[0]) and is_tensor(node.args[1]))
 
 
@@ -179,7 +155,7 @@ def linear_parts(node):
     """(input, weight, bias) of an aten.linear (bias may be None), else None."""
     if not is_op(node, aten.linear.default):
         return None
-    return node.args[0], node.args[1], argument(node, "bias")
+    return node.args[0], node.args[1], schema_arg(node, "bias")
 
 
 # ---- writing nodes ------------------------------------------------------------------------
@@ -189,37 +165,21 @@ class Rewriter:
     def __init__(self, gm: GraphModule):
         self.gm = gm
         self.graph: Graph = gm.graph
-        values = [n.meta["val"] for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-        self.fake_mode = detect_fake_mode(values)
+        self.fake_mode = graph_fake_mode(gm.graph)
         self._grad = None
-
-    # -- values
-    def _fake(self, target, args, kwargs):
-        def unwrap(a):
-            return a.meta["val"] if isinstance(a, Node) else a
-        args = torch.fx.node.map_aggregate(args, unwrap)
-        kwargs = torch.fx.node.map_aggregate(kwargs, unwrap)
-        if target is operator.getitem:
-            return args[0][args[1]]
-        context = self.fake_mode if self.fake_mode is not None else contextlib.nullcontext()
-        with context:
-            return target(*args, **kwargs)
 
     def call(self, target, args, kwargs=None, *, like: Node, kind: str, fused_from=None) -> Node:
         """A new node `target(*args, **kwargs)` at the current insertion point, with its fake
         value and `like`'s provenance; `fused_from` (node names) marks the fused op itself."""
-        kwargs = kwargs or {}
-        node = self.graph.call_function(target, tuple(args), kwargs)
-        node.meta["val"] = self._fake(target, node.args, node.kwargs)
+        node = insert_call(self.graph, target, args, kwargs, like=like, fake_mode=self.fake_mode)
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
             if key in like.meta:
                 node.meta[key] = like.meta[key]
-        custom = dict(like.meta.get("custom") or {})
+        custom = node.meta["custom"]
         tag = f"fused:{kind}"
         custom["tags"] = tuple(t for t in custom.get("tags", ()) if t != tag) + (tag,)
         if fused_from is not None:
             custom["fused_from"] = list(fused_from)
-        node.meta["custom"] = custom
         return node
 
     def outputs(self, node: Node, count: int, *, like: Node, kind: str) -> list[Node]:
@@ -262,8 +222,7 @@ def erase_dead(graph: Graph, nodes) -> None:
     for n in reversed([n for n in graph.nodes if n in wanted]):
         if n.users or n.op != "call_function":
             continue
-        target = n.target
-        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        if is_mutating(n):
             continue
         graph.erase_node(n)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from mxgraph.passes.fuse_patterns_base import (VIEWS, Match, Pattern, Rewriter, argument, commuted,
-                                               dtype, getitem_of, is_bias_for, is_float_cast, is_op,
-                                               last_dim, only_users, replace, shape, skip_casts)
+from mxgraph.ir import VIEW_OPS, is_op, schema_arg
+from mxgraph.passes.fuse_patterns_base import (Match, Pattern, Rewriter, commuted, dtype,
+                                               getitem_of, is_bias_for, is_float_cast, last_dim,
+                                               only_users, replace, shape, skip_casts)
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
@@ -19,9 +20,9 @@ def _topk(node, index: int):
         return None
     topk = node.args[0]
     src = topk.args[0]
-    if not last_dim(argument(topk, "dim"), len(shape(src))) or not argument(topk, "largest"):
+    if not last_dim(schema_arg(topk, "dim"), len(shape(src))) or not schema_arg(topk, "largest"):
         return None
-    return topk, argument(topk, "k")
+    return topk, schema_arg(topk, "k")
 
 
 def _scores(node):
@@ -29,7 +30,7 @@ def _scores(node):
     if is_op(node, aten.sigmoid.default):
         return node.args[0], "sigmoid"
     if is_op(node, aten.softmax.int, aten._softmax.default) and last_dim(node.args[1], len(shape(node))):
-        if is_op(node, aten.softmax.int) and argument(node, "dtype") not in (None, dtype(node)):
+        if is_op(node, aten.softmax.int) and schema_arg(node, "dtype") not in (None, dtype(node)):
             return None
         return node.args[0], "softmax"
     return None
@@ -40,11 +41,11 @@ def _groups(choice, topk: int):
     ``view(masked_fill(grouped, ~scatter(zeros, 1, topk(sum(topk(grouped, k2).values),
     topk_groups).indices, True)[..., None], -inf), [T, E])`` with ``grouped = view(choice,
     [T, G, E/G])``; k2 (the best scores summed per group) becomes the op's ``group_topk``."""
-    if not is_op(choice, *VIEWS) or not is_op(choice.args[0], aten.masked_fill.Scalar):
+    if not is_op(choice, *VIEW_OPS) or not is_op(choice.args[0], aten.masked_fill.Scalar):
         return None
     fill = choice.args[0]
     grouped, mask = fill.args[0], fill.args[1]
-    if fill.args[2] != float("-inf") or not is_op(grouped, *VIEWS) or len(shape(grouped)) != 3:
+    if fill.args[2] != float("-inf") or not is_op(grouped, *VIEW_OPS) or len(shape(grouped)) != 3:
         return None
     nodes = [choice, fill]
     while is_op(mask, aten.bitwise_not.default, aten.logical_not.default, aten.unsqueeze.default):
@@ -139,7 +140,7 @@ class MoERouter(Pattern):
             eps = is_op(denom, aten.add.Tensor) and denom.args[1] == _NORM_EPS
             total = denom.args[0] if eps else denom  # without the epsilon: 1e-20 is below an ulp
             if (is_op(total, aten.sum.dim_IntList) and total.args[0] is gather and total in users
-                    and argument(total, "keepdim") and last_dim(total.args[1][0], 2)):
+                    and schema_arg(total, "keepdim") and last_dim(total.args[1][0], 2)):
                 root, chain, normalize = div, [div, total] + ([denom] if eps else []), True
         if len(root.users) == 1:
             user = next(iter(root.users))
@@ -182,7 +183,7 @@ class MoEPermute(Pattern):
             return None
         order = token.args[0]
         flat = order.args[0]
-        if not argument(order, "stable") or not is_op(flat, *VIEWS) or len(shape(flat)) != 1:
+        if not schema_arg(order, "stable") or not is_op(flat, *VIEW_OPS) or len(shape(flat)) != 1:
             return None
         ids = flat.args[0]
         if len(shape(ids)) != 2 or token.args[1] != shape(ids)[1] or len(shape(x)) != 2:
@@ -206,7 +207,7 @@ class MoEPermute(Pattern):
         return None
 
     def _combine(self, node, x, order, ids):
-        if not is_op(node, aten.index_add.default) or node.args[1] != 0 or argument(node, "alpha") != 1:
+        if not is_op(node, aten.index_add.default) or node.args[1] != 0 or schema_arg(node, "alpha") != 1:
             return None
         zeros, prod = node.args[0], node.args[3]
         if not is_op(zeros, aten.zeros_like.default, aten.new_zeros.default) or shape(zeros) != shape(x):
@@ -225,7 +226,7 @@ class MoEPermute(Pattern):
             if not (is_op(w, aten.index.Tensor) and len(w.args[1]) == 1 and w.args[1][0] is order):
                 continue
             flat_w = w.args[0]
-            if not is_op(flat_w, *VIEWS) or len(shape(flat_w)) != 1:
+            if not is_op(flat_w, *VIEW_OPS) or len(shape(flat_w)) != 1:
                 continue
             weights = flat_w.args[0]
             if shape(weights) != shape(ids) or shape(y_rows) != (shape(ids)[0] * shape(ids)[1], shape(x)[1]):

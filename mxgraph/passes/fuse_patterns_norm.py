@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from mxgraph.passes.fuse_patterns_base import (VIEWS, Match, Pattern, Rewriter, argument, commuted,
-                                               dtype, is_bias_for, is_float_cast, is_op, last_dim,
-                                               linear_parts, only_users, plain_add, replace, shape,
-                                               skip_casts)
+from mxgraph.ir import VIEW_OPS, is_op, schema_arg
+from mxgraph.passes.fuse_patterns_base import (Match, Pattern, Rewriter, commuted, dtype,
+                                               is_bias_for, is_float_cast, last_dim, linear_parts,
+                                               only_users, plain_add, replace, shape, skip_casts)
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
@@ -25,9 +25,9 @@ def _normalized(node):
         if not is_op(add, aten.add.Tensor, aten.add.Scalar) or not isinstance(add.args[1], float):
             continue
         mean = add.args[0]
-        if not is_op(mean, aten.mean.dim) or not argument(mean, "keepdim"):
+        if not is_op(mean, aten.mean.dim) or not schema_arg(mean, "keepdim"):
             continue
-        dims = argument(mean, "dim")
+        dims = schema_arg(mean, "dim")
         if dims is None or len(dims) != 1 or not last_dim(dims[0], len(shape(x))):
             continue
         sq = mean.args[0]
@@ -53,8 +53,8 @@ class RMSNorm(Pattern):
 
     def match(self, node: Node, rw: Rewriter):
         if is_op(node, aten.rms_norm.default):
-            x, weight, eps = node.args[0], argument(node, "weight"), argument(node, "eps")
-            if weight is None or len(argument(node, "normalized_shape")) != 1:
+            x, weight, eps = node.args[0], schema_arg(node, "weight"), schema_arg(node, "eps")
+            if weight is None or len(schema_arg(node, "normalized_shape")) != 1:
                 return None
             eps = torch.finfo(dtype(x)).eps if eps is None else eps
             return self._finish(Match(node, [node], {"weight": weight, "eps": float(eps)}), x)
@@ -131,7 +131,7 @@ def _through_views_and_casts(node, allowed_cast_to=torch.float32):
     (source, chain of walked nodes)."""
     chain = []
     while True:
-        if is_op(node, *VIEWS, aten.flatten.using_ints):
+        if is_op(node, *VIEW_OPS, aten.flatten.using_ints):
             chain.append(node)
             node = node.args[0]
         elif is_float_cast(node) and dtype(node) == allowed_cast_to:
@@ -155,8 +155,8 @@ class LinearCrossEntropy(Pattern):
     def match(self, node: Node, rw: Rewriter):
         if not is_op(node, aten.cross_entropy_loss.default):
             return None
-        if (argument(node, "weight") is not None or argument(node, "reduction") != 1
-                or argument(node, "label_smoothing") != 0.0 or dtype(node) != torch.float32):
+        if (schema_arg(node, "weight") is not None or schema_arg(node, "reduction") != 1
+                or schema_arg(node, "label_smoothing") != 0.0 or dtype(node) != torch.float32):
             return None
         logits, targets = node.args[0], node.args[1]
         if len(shape(logits)) != 2 or len(shape(targets)) != 1:
@@ -173,7 +173,7 @@ class LinearCrossEntropy(Pattern):
         if shape(src)[-1] != v or shape(w)[0] != v:
             return None
         return Match(node, nodes, {"h": h, "w": w, "targets": targets, "n": n,
-                                   "ignore_index": argument(node, "ignore_index")})
+                                   "ignore_index": schema_arg(node, "ignore_index")})
 
     def rewrite(self, rw: Rewriter, m: Match) -> None:
         p = m.parts

@@ -25,7 +25,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 from mxgraph.context import CompileContext
-from mxgraph.memory_saved import is_alias, is_backward, saved_roots, storage_roots
+from mxgraph.ir import insert_call, is_alias, is_backward, storage_roots
+from mxgraph.memory_saved import saved_roots
 from mxgraph.passes.remat_regions import all_units, layer_of, stage_of
 from mxgraph.plan import parse_offload
 from mxgraph.runtime.offload import new_pool, wait_prefetch
@@ -90,19 +91,18 @@ def apply_offload(gm: GraphModule, values: list[Node], distance: int = 1) -> int
         first = min(users, key=order.__getitem__)
         at = max(0, backward.index(first) - distance) if first in backward else 0
         fake = value.meta["val"]
-        with graph.inserting_after(value):
-            host = graph.call_function(torch.ops.mxgraph.offload.default, (value, pool, key))
-        host.meta.update(val=torch.empty(fake.shape, dtype=fake.dtype, device="meta"),
-                         partitioner_tag=value.meta.get("partitioner_tag", "is_forward"),
-                         custom=value.meta.get("custom"))
-        with graph.inserting_before(backward[at]):
-            back = graph.call_function(torch.ops.mxgraph.prefetch.default,
-                                       (host, pool, key, fake.device))
-        back.meta.update(val=fake, partitioner_tag="is_backward", custom=value.meta.get("custom"))
+        host = insert_call(graph, torch.ops.mxgraph.offload.default, (value, pool, key),
+                           after=value, like=value,
+                           val=torch.empty(fake.shape, dtype=fake.dtype, device="meta"))
+        host.meta["partitioner_tag"] = value.meta.get("partitioner_tag", "is_forward")
+        back = insert_call(graph, torch.ops.mxgraph.prefetch.default,
+                           (host, pool, key, fake.device), before=backward[at], like=value,
+                           val=fake)
+        ready = insert_call(graph, wait_prefetch, (back, pool, key), before=first, like=value,
+                            val=fake)
+        for node in (back, ready):
+            node.meta["partitioner_tag"] = "is_backward"
         with graph.inserting_before(first):
-            ready = graph.call_function(wait_prefetch, (back, pool, key))
-            ready.meta.update(val=fake, partitioner_tag="is_backward",
-                              custom=value.meta.get("custom"))
             copies = {value: ready}
             for member in family[1:]:  # re-create the forward views on the prefetched value
                 copy = graph.node_copy(member, lambda a: copies.get(a, a))

@@ -27,6 +27,7 @@ when nothing is recomputed.
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 from torch.fx import GraphModule, Node
@@ -34,8 +35,9 @@ from torch.fx import GraphModule, Node
 from mxgraph.context import CompileContext
 from mxgraph.cost import node_cost
 from mxgraph.errors import PlanError
-from mxgraph.memory_saved import is_alias, is_backward, node_bytes, size_hints, storage_roots
-from mxgraph.passes.remat_regions import Unit, all_units, is_random
+from mxgraph.ir import insert_call, is_alias, is_backward, is_random, storage_roots
+from mxgraph.memory_saved import node_bytes, size_hints
+from mxgraph.passes.remat_regions import Unit, all_units
 from mxgraph.plan import RECOMPUTE_KINDS, parse_list
 
 aten = torch.ops.aten
@@ -149,10 +151,7 @@ def _mask_of(graph, dropout: Node) -> Node:
     for u in dropout.users:
         if getattr(u.target, "__name__", "") == "getitem" and u.args[1] == 1:
             return u
-    import operator
-    with graph.inserting_after(dropout):
-        mask = graph.call_function(operator.getitem, (dropout, 1))
-    mask.meta["val"] = dropout.meta["val"][1]
+    mask = insert_call(graph, operator.getitem, (dropout, 1), after=dropout)  # val: [1]
     mask.meta["partitioner_tag"] = dropout.meta.get("partitioner_tag")
     return mask
 

@@ -5,16 +5,18 @@ Each rule returns *units*: (kind, layer, stage, nodes). The remat pass recompute
 units a policy names; the offload pass uses the same regions to pick saved values.
 
 Rules (forward nodes only; "projection" = mm/addmm/bmm/linear/grouped_mm with an operand
-whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dtype cast):
+whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dtype cast).
+Fused kernels are recognised by their registered kind (`mxgraph.ir.fused_kind`), never by
+their names:
 
 * **norm** - RMSNorm decomposition: a `rsqrt` whose input is `mean(x*x or pow(x, 2)) + eps`;
   the unit is that chain plus its pointwise descendants whose other operands are the
   normalised input or parameters (x * rsqrt * weight, dtype casts), stopping at the value
-  that feeds a projection. LayerNorm: `native_layer_norm` (+ its outputs). Fused norm
-  custom ops (`mxgraph::*norm*`) count as norms.
-* **act** - `silu`/`gelu` (or a fused `mxgraph::*swiglu*`/`*gelu*` op) plus the pointwise
+  that feeds a projection. LayerNorm: `native_layer_norm` (+ its outputs). Fused ops of
+  kind "norm" (`mxgraph::rmsnorm`, `add_rmsnorm`) count as norms.
+* **act** - `silu`/`gelu` (or a fused op of kind "act": swiglu, bias_gelu) plus the pointwise
   ops that follow it (the SwiGLU `mul`, a bias add) up to the value that feeds a matmul.
-* **attn** - the core attention: an SDPA op (or a fused `mxgraph::*attention*` op), or a
+* **attn** - the core attention: an SDPA op (or a fused op of kind "attn"), or a
   softmax whose input comes from a `bmm` and whose output feeds a `bmm` (math attention);
   the unit grows, until nothing joins, backwards through every non-projection op (RoPE,
   repeat-KV copies, scaling, masks) to the q/k/v projections and forwards to the output
@@ -22,7 +24,8 @@ whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dt
 * **mlp** - an act unit outside an MoE block, plus the projections that feed it (and
   their bias adds) and the projection it feeds.
 * **MoE block** - a layer holding a data-dependent routing op (`sort`, `argsort`) together
-  with a row gather (`index`) or `models::grouped_mm`/`mxgraph::moe*` ops: its block is
+  with a row gather (`index`) or fused ops of kind "matmul"/"moe" (`mxgraph::grouped_mm`,
+  `mxgraph::moe_*`): its block is
   every forward node of the layer that descends from the router's input and feeds the
   block output (before the residual add). Inside it: router = the projection feeding a
   `topk` and the chain to the gate weights; permute/unpermute = `index`/`index_add`/
@@ -35,8 +38,9 @@ whose storage is a parameter; "pointwise" = an ATen op tagged pointwise, or a dt
 * **full** - every forward node of one layer (`meta["custom"]["layer"]`) except the
   layer's outputs (values read by another layer), which stay saved as checkpoints.
 
-Random ops (`nondeterministic_seeded`, e.g. `native_dropout`) are never recomputed: their
-mask stays saved and the dropout output is replayed from it (see remat.py).
+Random ops (`mxgraph.ir.is_random`, e.g. `native_dropout`; not attention with dropout_p=0)
+are never recomputed: their mask stays saved and the dropout output is replayed from it
+(see remat.py).
 """
 from __future__ import annotations
 
@@ -45,11 +49,11 @@ from dataclasses import dataclass
 import torch
 from torch.fx import Node
 
-from mxgraph.memory_saved import is_alias, is_forward_op, storage_roots
+from mxgraph.ir import (ATTENTION_OPS, MATMUL_OPS, ancestors, descendants, fused_kind, is_alias,
+                        is_forward_op, is_random, packet, storage_roots)
+from mxgraph.ir import op_name  # noqa: F401 - memory_plan imports it from here
 
 aten = torch.ops.aten
-_MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul,
-            aten._grouped_mm}
 
 
 @dataclass(frozen=True)
@@ -60,36 +64,10 @@ class Unit:
     nodes: frozenset
 
 
-def packet(node: Node):
-    target = node.target
-    return target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
-
-
-def op_name(node: Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}::{target._opname}"
-    return getattr(target, "__name__", str(target))
-
-
 def is_matmul(node: Node) -> bool:
-    return node.op == "call_function" and (packet(node) in _MATMULS or op_name(node) in (
-        "models::grouped_mm",) or (op_name(node).startswith("mxgraph::") and "mm" in op_name(node)))
-
-
-def is_random(node: Node) -> bool:
-    """An op that draws random numbers: tagged `nondeterministic_seeded`, except attention
-    ops called with `dropout_p=0` (deterministic; the tag covers their dropout path)."""
-    target = node.target
-    if not (isinstance(target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in target.tags):
-        return False
-    names = [a.name for a in target._schema.arguments]
-    if "dropout_p" in names:
-        index = names.index("dropout_p")
-        value = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args) else 0.0)
-        return not (isinstance(value, (int, float)) and value == 0)
-    return True
+    """An ATen matmul (`MATMUL_OPS`) or a fused matmul kernel (`mxgraph::grouped_mm`)."""
+    return node.op == "call_function" and (packet(node) in MATMUL_OPS
+                                           or fused_kind(node) == "matmul")
 
 
 def is_pointwise(node: Node) -> bool:
@@ -188,10 +166,8 @@ def _grow_pointwise(g: Graph, unit: set, allowed_inputs: set, stop_at_matmul: bo
 def norm_units(g: Graph) -> list[set]:
     units = []
     for n in g.forward:
-        name = op_name(n)
         if packet(n) in (aten.native_layer_norm, aten.layer_norm, aten.rms_norm,
-                         aten._fused_rms_norm) or (name.startswith("mxgraph::") and "norm" in name
-                                                   and "backward" not in name):
+                         aten._fused_rms_norm) or fused_kind(n) == "norm":
             units.append(g.with_aliases({n}))
             continue
         if packet(n) is not aten.rsqrt:
@@ -221,9 +197,7 @@ def norm_units(g: Graph) -> list[set]:
 def act_units(g: Graph) -> list[set]:
     units = []
     for n in g.forward:
-        name = op_name(n)
-        if packet(n) in (aten.silu, aten.gelu) or (name.startswith("mxgraph::") and (
-                "swiglu" in name or "gelu" in name) and "backward" not in name):
+        if packet(n) in (aten.silu, aten.gelu) or fused_kind(n) == "act":
             unit = _grow_pointwise(g, {n}, set(), stop_at_matmul=True)
             units.append(g.with_aliases(unit))
     return units
@@ -255,9 +229,7 @@ def attn_units(g: Graph) -> list[set]:
     units = []
     taken: set = set()
     for n in g.forward:
-        name = op_name(n)
-        is_sdpa = ("scaled_dot_product" in name or (name.startswith("mxgraph::") and (
-            "attention" in name or "attn" in name))) and "backward" not in name
+        is_sdpa = packet(n) in ATTENTION_OPS or fused_kind(n) == "attn"
         if not (is_sdpa or _is_softmax_attention(g, n)) or n in taken:
             continue
         layer = layer_of(n)
@@ -300,7 +272,7 @@ def moe_blocks(g: Graph) -> dict:
             continue
         routing = [n for n in nodes if packet(n) in (aten.sort, aten.argsort)]
         gathers = [n for n in nodes if packet(n) in (aten.index, aten.index_select)
-                   or op_name(n) == "models::grouped_mm" or op_name(n).startswith("mxgraph::moe")]
+                   or fused_kind(n) in ("matmul", "moe")]
         topks = [n for n in nodes if packet(n) is aten.topk]
         if not routing or not gathers or not topks:
             continue
@@ -315,7 +287,7 @@ def moe_blocks(g: Graph) -> dict:
                                         for u in g.fwd_users(n))]
         ups = set()
         for out in final:
-            ups |= _ancestors(g, out, layer)
+            ups |= ancestors([out], keep=lambda a: a in g.forward_set and layer_of(a) == layer)
         block = (down & ups) | {out for out in final}
         block = {n for n in block if not _is_residual(g, n, down)}
         blocks[layer] = (g.with_aliases(block), block_input, router)
@@ -343,25 +315,9 @@ def _router_projection(g: Graph, topk: Node):
 
 
 def _descendants(g: Graph, start: Node, layer) -> set:
-    out, stack = set(), [start]
-    while stack:
-        m = stack.pop()
-        for u in g.fwd_users(m):
-            if u not in out and layer_of(u) == layer:
-                out.add(u)
-                stack.append(u)
-    return out
-
-
-def _ancestors(g: Graph, end: Node, layer) -> set:
-    out, stack = {end}, [end]
-    while stack:
-        m = stack.pop()
-        for a in m.all_input_nodes:
-            if a not in out and a in g.forward_set and layer_of(a) == layer:
-                out.add(a)
-                stack.append(a)
-    return out
+    """The forward nodes of `layer` that read `start`, transitively (`start` left out)."""
+    return descendants([start], keep=lambda u: u in g.forward_set and layer_of(u) == layer) - {
+        start}
 
 
 def moe_units(g: Graph) -> dict[str, list[set]]:

@@ -31,15 +31,13 @@ from torch.fx import GraphModule, Node
 import mxgraph.runtime.collectives_cp  # noqa: F401 - registers the ops
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
-from mxgraph.passes.shard_tp import (KEEP_OPS, SPLIT_OPS, VIEW_OPS, add_tag, propagate,
-                                     repropagate, view_group)
+from mxgraph.ir import SHAPE_OPS, VIEW_OPS, insert_call
+from mxgraph.passes.shard_tp import KEEP_OPS, SPLIT_OPS, add_tag, propagate, repropagate, view_group
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
 R = None
-SHAPE_ONLY = VIEW_OPS | {aten.expand.default, aten.transpose.int, aten.permute.default,
-                         aten.unsqueeze.default, aten.clone.default, aten.contiguous.default}
 TOKEN_OPS = {aten.linear.default, aten.layer_norm.default, aten.rms_norm.default}
 
 
@@ -51,12 +49,9 @@ class _ContextSharder:
         self.place: dict[Node, tuple[int, int] | None] = {}
 
     def new(self, before: Node, target, args, kwargs=None, val=None) -> Node:
-        with self.graph.inserting_before(before):
-            node = self.graph.call_function(target, args, kwargs or {})
-        node.meta["custom"] = dict(before.meta.get("custom") or {})
-        if val is not None:
-            node.meta["val"] = val  # rules read full (unsharded) shapes
-        return node
+        """`target(*args, **kwargs)` before `before`, with its provenance; `val` (rules read
+        full, unsharded, shapes) or no fake value until the pass re-propagates."""
+        return insert_call(self.graph, target, args, kwargs, before=before, like=before, val=val)
 
     def full(self, node: Node) -> list[int]:
         return list(node.meta["val"].shape)
@@ -234,17 +229,15 @@ class _ContextSharder:
         if mean:
             node.target = aten.sum.dim_IntList
         full = self.full(node.args[0])
-        with self.graph.inserting_after(node):
-            total = self.graph.call_function(mx.cp_all_reduce.default, (node, self.group))
+        total = insert_call(self.graph, mx.cp_all_reduce.default, (node, self.group),
+                            after=node, like=node, val=node.meta["val"])
         result = total
         if mean:
-            with self.graph.inserting_after(total):
-                result = self.graph.call_function(
-                    aten.div.Tensor, (total, math.prod(full[d] for d in dims)))
+            result = insert_call(self.graph, aten.div.Tensor,
+                                 (total, math.prod(full[d] for d in dims)), after=total,
+                                 like=node, val=node.meta["val"])
         node.replace_all_uses_with(result, delete_user_cb=lambda u: u not in (total, result))
-        for new in {total, result}:
-            new.meta.update(custom=dict(node.meta.get("custom") or {}), val=node.meta["val"])
-            self.place[new] = R
+        self.place[total] = self.place[result] = R
         return R
 
     def attention(self, node: Node):
@@ -269,7 +262,7 @@ class _ContextSharder:
         that lead to `user` (e.g. before a GQA repeat by expand + reshape, so the KV
         heads move, not the query heads); those ops then see full shapes again."""
         chain = [value]  # from the attention input back towards its source
-        while (chain[-1].op == "call_function" and chain[-1].target in SHAPE_ONLY
+        while (chain[-1].op == "call_function" and chain[-1].target in SHAPE_OPS
                and len(chain[-1].users) == 1
                and self.place.get(chain[-1].args[0], R) is not R):
             chain.append(chain[-1].args[0])
@@ -308,19 +301,17 @@ class _ContextSharder:
         args[3] = 2  # sum
         node.args = tuple(args[:4]) + tuple(node.args[4:])
         node.kwargs = {k: v for k, v in node.kwargs.items() if k != "reduction"}
-        with self.graph.inserting_after(node):
-            total = self.graph.call_function(mx.cp_all_reduce.default, (node, self.group))
+        total = insert_call(self.graph, mx.cp_all_reduce.default, (node, self.group),
+                            after=node, like=node, val=node.meta["val"])
         result = total
         if reduction == 1:
             counted = self.new(total, aten.ne.Scalar, (target, ignore))
             count = self.new(total, aten.sum.default, (counted,))
             count_all = self.new(total, mx.cp_all_reduce.default, (count, self.group))
-            with self.graph.inserting_after(total):
-                result = self.graph.call_function(aten.div.Tensor, (total, count_all))
+            result = insert_call(self.graph, aten.div.Tensor, (total, count_all), after=total,
+                                 like=node, val=node.meta["val"])
         node.replace_all_uses_with(result, delete_user_cb=lambda u: u not in (total, result))
-        for new in {total, result}:
-            new.meta.update(custom=dict(node.meta.get("custom") or {}), val=node.meta["val"])
-            self.place[new] = R
+        self.place[total] = self.place[result] = R
         return R
 
     def rule(self, node: Node):

@@ -5,7 +5,7 @@ and op, never by names. A dropless expert block is rows X [N, ...] sorted by exp
 per-expert row counts [E] (`counts`), and the experts' computation on those rows, in
 one of two forms:
 
-  grouped:  offs = cumsum(counts); models::grouped_mm(rows, W, offs) for expert
+  grouped:  offs = cumsum(counts); mxgraph::grouped_mm(rows, W, offs) for expert
             weights W = a parameter [E, ...] (through transposes/permutes that keep dim 0
             and dtype casts), with row-wise pointwise ops between them, from X to one
             exit Y [N, ...].
@@ -42,23 +42,23 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+import mxgraph.codegen.kernels  # noqa: F401 - registers mxgraph::grouped_mm
 import mxgraph.runtime.collectives_ep  # noqa: F401 - registers the all-to-all ops
 from mxgraph.capture import set_parameter
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
+from mxgraph.ir import COPY_LIKE_OPS, ancestors, closure, descendants, insert_call, is_op
 from mxgraph.passes.shard_tp import repropagate
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
 
-GROUPED_MM = "models::grouped_mm"  # (rows, weights [G, I, O], offs [G]) -> rows
-WEIGHT_VIEWS = {aten.transpose.int, aten.permute.default, aten._to_copy.default,
-                aten.to.dtype, aten.contiguous.default, aten.clone.default,
-                aten.alias.default, aten.detach.default}
-ROW_OPS = {aten._to_copy.default, aten.to.dtype, aten.contiguous.default,
-           aten.clone.default, aten.alias.default, aten.detach.default,
-           aten.type_as.default}
+GROUPED_MM = mx.grouped_mm.default  # (rows, weights [G, I, O], offs [G]) -> rows
+WEIGHT_VIEWS = COPY_LIKE_OPS | {aten.transpose.int, aten.permute.default}
+"""Ops between an expert weight [E, ...] and its GEMM that keep dim 0 (permutes checked)."""
+ROW_OPS = COPY_LIKE_OPS | {aten.type_as.default}
+"""Row-wise ops allowed between expert GEMMs, besides pointwise ones."""
 SINKS = {aten._assert_tensor_metadata.default}  # read a value, produce nothing
 EXPERT_READS = {aten.select.int, aten.index.Tensor, aten.bmm.default, aten.baddbmm.default,
                 aten.matmul.default, aten.einsum.default}
@@ -67,25 +67,12 @@ HINT = ("expert parallelism shards dropless MoE blocks (expert_impl='grouped_mm'
 
 
 def _is_grouped_mm(node: Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) \
-        and node.target.name() == GROUPED_MM
+    return is_op(node, GROUPED_MM)
 
 
 def _where(node: Node) -> str:
     module = (node.meta.get("custom") or {}).get("module") or "<root>"
     return f"{node.name} ({node.target}) in module {module}"
-
-
-def _closure(starts, step, stop=lambda n: False) -> set[Node]:
-    seen, todo = set(), list(starts)
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if not stop(node):
-            todo.extend(step(node))
-    return seen
 
 
 def _expert_weight(node: Node) -> tuple[Node, list[Node]] | None:
@@ -139,9 +126,9 @@ class _ExpertSharder:
 
     # ---- helpers ----------------------------------------------------------------------
     def call(self, target, args, like: Node) -> Node:
-        node = self.graph.call_function(target, args)
-        node.meta["custom"] = dict(like.meta.get("custom") or {})
-        return node
+        """`target(*args)` at the insertion point, with `like`'s provenance and no fake value
+        (the pass re-propagates)."""
+        return insert_call(self.graph, target, args, like=like, val=None)
 
     def num_experts(self, counts: Node, where: Node) -> int:
         value = counts.meta.get("val")
@@ -245,9 +232,9 @@ class _ExpertSharder:
         with self.graph.inserting_before(first):
             x_local = self.call(mx.ep_dispatch.default, (x, counts, recv, total, self.group),
                                 first)
-            offs_local = self.graph.call_function(aten.cumsum.default,
-                                                  (local,) + tuple(offs.args[1:]), offs.kwargs)
-            offs_local.meta["custom"] = dict(offs.meta.get("custom") or {})
+            offs_local = insert_call(self.graph, aten.cumsum.default,
+                                     (local,) + tuple(offs.args[1:]), offs.kwargs, like=offs,
+                                     val=None)
         for node in region:
             node.replace_input_with(x, x_local)
         for gmm in gmms:
@@ -256,8 +243,8 @@ class _ExpertSharder:
 
     def _between(self, gmms: list[Node]) -> set[Node]:
         """Nodes on a path from one expert GEMM to another (the GEMMs included)."""
-        down = _closure(gmms, lambda n: n.users)
-        up = _closure(gmms, lambda n: [a for a in n.all_input_nodes if a in down])
+        down = descendants(gmms)
+        up = ancestors(gmms, keep=down.__contains__)
         return down & up
 
     # ---- loop form --------------------------------------------------------------------
@@ -280,7 +267,7 @@ class _ExpertSharder:
         def is_cat(n):  # of every expert's output
             return n.target is aten.cat.default and len(n.args[0]) == num
 
-        chains = [_closure([pieces[e]], lambda n: n.users, stop=is_cat) for e in range(num)]
+        chains = [closure([pieces[e]], lambda n: n.users, stop=is_cat) for e in range(num)]
         cats = {n for chain in chains for n in chain if is_cat(n)}
         cat = cats.pop() if len(cats) == 1 else None
         if cat is None or (cat.args[1:] or (0,))[0] != 0:
@@ -349,7 +336,7 @@ class _ExpertSharder:
                 selects.append(node)
             elif node.op == "call_function":
                 todo.extend(node.all_input_nodes)
-        derived = _closure(selects, lambda n: [u for u in n.users if u in weight_side])
+        derived = descendants(selects, keep=weight_side.__contains__)
         for node in derived:
             if any(u not in chain and u not in weight_side for u in node.users):
                 raise PlanError(f"ep={self.ep}: {_where(node)} feeds expert {e} and other "
@@ -391,7 +378,7 @@ class _ExpertSharder:
             if node in self.params or node.meta.get("mx_slot_kind") != "param" or \
                     node.meta["val"].dim() < 3:
                 continue
-            reads = _closure([node], lambda n: n.users if n is node or (
+            reads = closure([node], lambda n: n.users if n is node or (
                 n.target in WEIGHT_VIEWS) else [])
             bad = [n for n in reads if n.target in EXPERT_READS or _is_grouped_mm(n)]
             if bad:

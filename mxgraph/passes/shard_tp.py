@@ -37,6 +37,7 @@ import mxgraph.runtime.collectives_cp  # noqa: F401 - registers the CP ops
 from mxgraph.capture import set_parameter
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
+from mxgraph.ir import COPY_LIKE_OPS, VIEW_OPS, insert_call
 from mxgraph.passes import shard_vocab
 from mxgraph.plan import divisors
 
@@ -44,10 +45,9 @@ aten = torch.ops.aten
 mx = torch.ops.mxgraph
 R = None  # placement: replicated; an int d means sharded along dim d
 
-VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-KEEP_OPS = {aten.clone.default, aten.contiguous.default, aten._to_copy.default,
-            aten.to.dtype, aten.alias.default, aten.detach.default, aten.type_as.default,
-            aten.dropout.default, aten.native_dropout.default}  # random, but per element
+DROPOUT_OPS = {aten.dropout.default, aten.native_dropout.default}  # random, but per element
+KEEP_OPS = COPY_LIKE_OPS | {aten.type_as.default} | DROPOUT_OPS
+"""Ops whose output keeps the placement of their first input."""
 REDUCTION_OPS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
                  aten.var.correction, aten.logsumexp.default}
 CP_OPS = {mx.cp_chunk.default, mx.cp_all_gather.default, mx.cp_all_reduce.default,
@@ -71,13 +71,12 @@ class _Sharder:
 
     # ---- helpers ----------------------------------------------------------------------
     def insert(self, before: Node, target, args) -> Node:
-        with self.graph.inserting_before(before):
-            node = self.graph.call_function(target, args)
-        node.meta["custom"] = dict(before.meta.get("custom") or {})
-        if getattr(target, "namespace", None) == "mxgraph" and "val" in args[0].meta:
-            # rules read full (unsharded) shapes: a collective keeps its input's
-            node.meta["val"] = args[0].meta["val"]
-        return node
+        """`target(*args)` before `before`, with its provenance. Rules read full (unsharded)
+        shapes: a collective keeps its input's fake value, other new nodes get none until
+        the pass re-propagates."""
+        full = args[0].meta.get("val") if getattr(target, "namespace", None) == "mxgraph" \
+            else None
+        return insert_call(self.graph, target, args, before=before, like=before, val=full)
 
     def copy_of(self, value: Node, user: Node) -> Node:
         """`tp_copy(value)`: identity forward, all-reduce of the gradient backward. One per
@@ -107,11 +106,9 @@ class _Sharder:
     def reduce_after(self, value: Node, op, args: tuple, placement) -> Node:
         """Sum `value`'s partials over the group with `op` (all-reduce, or reduce-scatter
         along `placement`), rerouting every other user of `value` to the result."""
-        with self.graph.inserting_after(value):
-            reduced = self.graph.call_function(op, (value,) + args + (self.group,))
+        reduced = insert_call(self.graph, op, (value,) + args + (self.group,), after=value,
+                              like=value, val=value.meta["val"])  # the full shape, as rules expect
         value.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
-        reduced.meta["custom"] = dict(value.meta.get("custom") or {})
-        reduced.meta["val"] = value.meta["val"]  # the full shape, as rules expect
         self.place[reduced] = placement
         return reduced
 
@@ -162,11 +159,9 @@ class _Sharder:
             else:
                 reduced = self.reduce_after(node, mx.sp_reduce_scatter.default, (seq,), seq)
             if bias is not None:
-                with self.graph.inserting_after(reduced):
-                    added = self.graph.call_function(aten.add.Tensor, (reduced, bias))
+                added = insert_call(self.graph, aten.add.Tensor, (reduced, bias), after=reduced,
+                                    like=node, val=node.meta["val"])
                 reduced.replace_all_uses_with(added, delete_user_cb=lambda u: u is not added)
-                added.meta.update(custom=dict(node.meta.get("custom") or {}),
-                                  val=node.meta["val"])
                 self.place[added] = self.pointwise(added)
             return R  # the linear itself is partial; only the reduced value is read
         if any(self.place.get(a, R) is not R for a in node.all_input_nodes):
@@ -272,8 +267,7 @@ class _Sharder:
         its slice of every piece (Megatron's fused-QKV layout) and the pieces stay sharded.
         False if the pattern does not hold (the caller gathers)."""
         src = x
-        while src.op == "call_function" and src.target in KEEP_OPS - {
-                aten.dropout.default, aten.native_dropout.default}:
+        while src.op == "call_function" and src.target in KEEP_OPS - DROPOUT_OPS:
             src = src.args[0]
         if src.op != "call_function" or src.target is not aten.linear.default or \
                 node.target is aten.unbind.int or along != x.meta["val"].dim() - 1:

@@ -21,14 +21,13 @@ from torch.fx import Node
 
 import mxgraph.runtime.collectives_cp  # noqa: F401 - registers cp_chunk
 import mxgraph.runtime.vocab_parallel  # noqa: F401 - registers the op
+from mxgraph.ir import COPY_LIKE_OPS, VIEW_OPS, insert_call
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
 R = None  # replicated (the placement convention of shard_tp.py)
-PASS_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                aten.clone.default, aten.contiguous.default, aten._to_copy.default,
-                aten.to.dtype, aten.alias.default, aten.detach.default,
-                mx.cp_chunk.default}
+PASS_THROUGH = VIEW_OPS | COPY_LIKE_OPS | {mx.cp_chunk.default}
+"""Ops through which a value still is the step's input (token ids) for `reads_input`."""
 
 
 def reads_input(value: Node) -> bool:
@@ -54,14 +53,11 @@ def embedding(sharder, node: Node):
         sharder.insert(node, aten.ge.Scalar, (local, 0)),
         sharder.insert(node, aten.lt.Scalar, (local, rows))))
     node.args = (weight, sharder.insert(node, aten.mul.Tensor, (local, valid)))
-    with sharder.graph.inserting_after(node):
-        mask = sharder.graph.call_function(aten.unsqueeze.default, (valid, -1))
-    with sharder.graph.inserting_after(mask):
-        masked = sharder.graph.call_function(aten.mul.Tensor, (node, mask))
+    mask = insert_call(sharder.graph, aten.unsqueeze.default, (valid, -1), after=node, like=node,
+                       val=None)
+    masked = insert_call(sharder.graph, aten.mul.Tensor, (node, mask), after=mask, like=node,
+                         val=node.meta["val"])
     node.replace_all_uses_with(masked, delete_user_cb=lambda u: u is not masked)
-    for new in (mask, masked):
-        new.meta["custom"] = dict(node.meta.get("custom") or {})
-    masked.meta["val"] = node.meta["val"]
     seq = sharder.seq_dim(node)
     if seq is not None:
         sharder.reduce_after(masked, mx.sp_reduce_scatter.default, (seq,), seq)

@@ -16,20 +16,9 @@ from __future__ import annotations
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from mxgraph.ir import ancestors, is_random
 from mxgraph.joint import JointGraph
 from mxgraph.runtime.programs import Program, StagePrograms
-
-
-def _ancestors(roots, stop) -> set[Node]:
-    seen: set[Node] = set()
-    frontier = [r for r in roots if isinstance(r, Node)]
-    while frontier:
-        node = frontier.pop()
-        if node in seen or node in stop:
-            continue
-        seen.add(node)
-        frontier.extend(node.all_input_nodes)
-    return seen
 
 
 def split_bw(joint: JointGraph, num_activations: int) -> StagePrograms:
@@ -52,7 +41,7 @@ def split_bw(joint: JointGraph, num_activations: int) -> StagePrograms:
         elif slot.kind == "param":
             param_grads.append((slot.key, grad))
     placeholder_set = set(placeholders)
-    f_nodes = _ancestors(forward_outputs, placeholder_set)
+    f_nodes = ancestors(forward_outputs, placeholder_set)
     # what the joint computes before its first backward node stays in F (a value moved to
     # the host by the offload pass, say), so F + B + W run the joint's order
     for node in gm.graph.nodes:
@@ -60,12 +49,13 @@ def split_bw(joint: JointGraph, num_activations: int) -> StagePrograms:
             break
         if node.op == "call_function" and node not in needs_tangent:
             f_nodes.add(node)
-    b_nodes = _ancestors(input_grads.values(), placeholder_set | f_nodes)
-    w_nodes = _ancestors([g for _, g in param_grads], placeholder_set | f_nodes | b_nodes)
-    # a random op must run once, in F, so B and W see the values F drew
+    b_nodes = ancestors(input_grads.values(), placeholder_set | f_nodes)
+    w_nodes = ancestors([g for _, g in param_grads], placeholder_set | f_nodes | b_nodes)
+    # a random op must run once, in F, so B and W see the values F drew (`is_random`: an
+    # SDPA without dropout that remat recomputes stays where remat put it)
     for node in list(b_nodes | w_nodes):
-        if node not in needs_tangent and _is_random(node):
-            f_nodes |= _ancestors([node], placeholder_set)
+        if node not in needs_tangent and is_random(node):
+            f_nodes |= ancestors([node], placeholder_set)
     b_nodes -= f_nodes
     w_nodes -= f_nodes | b_nodes
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -78,11 +68,6 @@ def split_bw(joint: JointGraph, num_activations: int) -> StagePrograms:
     backward_weight = _program(gm, w_nodes, {g for _, g in param_grads}, order)
     return StagePrograms(forward, backward_input, backward_weight, placeholders,
                          forward_outputs, input_grads, param_grads)
-
-
-def _is_random(node: Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and \
-        torch.Tag.nondeterministic_seeded in node.target.tags
 
 
 def _reads(nodes: set[Node]) -> set[Node]:

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.fx import Graph, GraphModule, Node
 
 from mxgraph.capture import ForwardGraph, Slot
 from mxgraph.cost import node_cost
 from mxgraph.errors import PlanError
+from mxgraph.ir import is_random
 from mxgraph.schedules.layout import balance_layers, pad_empty_layers, parse_layout
 
 
@@ -108,9 +108,7 @@ def _recomputable(gm: GraphModule) -> set[Node]:
             if node.meta.get("mx_slot_kind") == "param":
                 tainted.add(node)
             continue
-        random = isinstance(node.target, torch._ops.OpOverload) and \
-            torch.Tag.nondeterministic_seeded in node.target.tags
-        if random or any(a in tainted for a in node.all_input_nodes):
+        if is_random(node) or any(a in tainted for a in node.all_input_nodes):
             tainted.add(node)
     return {n for n in gm.graph.nodes if n.op == "call_function" and n not in tainted}
 

@@ -34,7 +34,15 @@ module                                 ops (``torch.ops.mxgraph.*``)
                                        counts); moe_unpermute(rows, row_map, probs)
 ``moe_router``                         moe_router(logits, bias?, topk, score_func, num_groups,
                                        topk_groups, normalize, route_scale) -> (probs, ids, counts)
+``grouped_mm``                         grouped_mm(x, w, offs); grouped_mm_wgrad(x, grad_out, offs)
+                                       (reference only, not in ``KERNELS``: no Triton path)
 =====================================  ============================================================
+
+Each op has a *kind* (``mxgraph.ir.FUSED_KINDS``: norm, act, attn, rope, matmul, moe, residual,
+loss), recorded in ``Kernel.kind`` and, as each op registers, in ``mxgraph.ir``'s table, so
+rules that group nodes by role (the remat regions) ask ``ir.fused_kind(node)`` instead of
+reading op names. The table lives in ``ir`` (the lowest layer, which imports no codegen);
+an op is in a graph only once its module is imported, and importing it fills the table.
 
 Module docstrings give the exact semantics. Tests run the Triton paths on CPU tensors in
 Triton's interpreter (``TRITON_INTERPRET=1``); ``MXGRAPH_KERNEL_POISON=1`` fills outputs with
@@ -48,6 +56,8 @@ from typing import Callable
 
 import torch
 
+from mxgraph.ir import register_fused_kind
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Kernel:
@@ -57,43 +67,54 @@ class Kernel:
     """Plain torch; the CPU path and the test oracle."""
     triton: Callable
     """Triton launch; runs on CPU tensors under the Triton interpreter in tests."""
+    kind: str
+    """What the op computes (``mxgraph.ir.FUSED_KINDS``); a backward op has its forward's."""
 
 
 from mxgraph.codegen.kernels import (  # noqa: E402
     bias_dropout_add, bias_gelu, gqa, linear_cross_entropy, moe_permute, moe_router, rmsnorm, rope, swiglu)
+from mxgraph.codegen.kernels import grouped_mm  # noqa: E402, F401 - registers mxgraph::grouped_mm*
 
 KERNELS: dict[str, Kernel] = {}
 
 
-def _register(name: str, reference: Callable, triton: Callable) -> None:
-    KERNELS[name] = Kernel(op=getattr(torch.ops.mxgraph, name).default, reference=reference, triton=triton)
+_TABLE = [  # (op name, kind, module, implementation: <impl>_reference / <impl>_triton)
+    ("swiglu", "act", swiglu, "swiglu"),
+    ("swiglu_backward", "act", swiglu, "swiglu_backward"),
+    ("bias_swiglu", "act", swiglu, "swiglu"),
+    ("bias_swiglu_backward", "act", swiglu, "swiglu_backward"),
+    ("bias_gelu", "act", bias_gelu, "bias_gelu"),
+    ("bias_gelu_backward", "act", bias_gelu, "bias_gelu_backward"),
+    ("bias_dropout_add", "residual", bias_dropout_add, "bias_dropout_add"),
+    ("bias_dropout_add_backward", "residual", bias_dropout_add, "bias_dropout_add_backward"),
+    ("rmsnorm", "norm", rmsnorm, "rmsnorm"),
+    ("add_rmsnorm", "norm", rmsnorm, "add_rmsnorm"),
+    ("rmsnorm_backward", "norm", rmsnorm, "rmsnorm_backward"),
+    ("rope", "rope", rope, "rope"),
+    ("rope_backward", "rope", rope, "rope_backward"),
+    ("gqa_attention", "attn", gqa, "gqa_attention"),
+    ("gqa_attention_backward", "attn", gqa, "gqa_attention_backward"),
+    ("linear_cross_entropy", "loss", linear_cross_entropy, "linear_cross_entropy"),
+    ("linear_cross_entropy_backward", "loss", linear_cross_entropy, "linear_cross_entropy_backward"),
+    ("moe_permute", "moe", moe_permute, "moe_permute"),
+    ("moe_permute_capacity", "moe", moe_permute, "moe_permute_capacity"),
+    ("moe_permute_backward", "moe", moe_permute, "moe_permute_backward"),
+    ("moe_unpermute", "moe", moe_permute, "moe_unpermute"),
+    ("moe_unpermute_backward", "moe", moe_permute, "moe_unpermute_backward"),
+    ("moe_router", "moe", moe_router, "moe_router"),
+    ("moe_router_backward", "moe", moe_router, "moe_router_backward"),
+]
 
 
-_register("swiglu", swiglu.swiglu_reference, swiglu.swiglu_triton)
-_register("swiglu_backward", swiglu.swiglu_backward_reference, swiglu.swiglu_backward_triton)
-_register("bias_swiglu", swiglu.swiglu_reference, swiglu.swiglu_triton)
-_register("bias_swiglu_backward", swiglu.swiglu_backward_reference, swiglu.swiglu_backward_triton)
-_register("bias_gelu", bias_gelu.bias_gelu_reference, bias_gelu.bias_gelu_triton)
-_register("bias_gelu_backward", bias_gelu.bias_gelu_backward_reference, bias_gelu.bias_gelu_backward_triton)
-_register("bias_dropout_add", bias_dropout_add.bias_dropout_add_reference, bias_dropout_add.bias_dropout_add_triton)
-_register("bias_dropout_add_backward", bias_dropout_add.bias_dropout_add_backward_reference,
-          bias_dropout_add.bias_dropout_add_backward_triton)
-_register("rmsnorm", rmsnorm.rmsnorm_reference, rmsnorm.rmsnorm_triton)
-_register("add_rmsnorm", rmsnorm.add_rmsnorm_reference, rmsnorm.add_rmsnorm_triton)
-_register("rmsnorm_backward", rmsnorm.rmsnorm_backward_reference, rmsnorm.rmsnorm_backward_triton)
-_register("rope", rope.rope_reference, rope.rope_triton)
-_register("rope_backward", rope.rope_backward_reference, rope.rope_backward_triton)
-_register("gqa_attention", gqa.gqa_attention_reference, gqa.gqa_attention_triton)
-_register("gqa_attention_backward", gqa.gqa_attention_backward_reference, gqa.gqa_attention_backward_triton)
-_register("linear_cross_entropy", linear_cross_entropy.linear_cross_entropy_reference,
-          linear_cross_entropy.linear_cross_entropy_triton)
-_register("linear_cross_entropy_backward", linear_cross_entropy.linear_cross_entropy_backward_reference,
-          linear_cross_entropy.linear_cross_entropy_backward_triton)
-_register("moe_permute", moe_permute.moe_permute_reference, moe_permute.moe_permute_triton)
-_register("moe_permute_capacity", moe_permute.moe_permute_capacity_reference, moe_permute.moe_permute_capacity_triton)
-_register("moe_permute_backward", moe_permute.moe_permute_backward_reference, moe_permute.moe_permute_backward_triton)
-_register("moe_unpermute", moe_permute.moe_unpermute_reference, moe_permute.moe_unpermute_triton)
-_register("moe_unpermute_backward", moe_permute.moe_unpermute_backward_reference,
-          moe_permute.moe_unpermute_backward_triton)
-_register("moe_router", moe_router.moe_router_reference, moe_router.moe_router_triton)
-_register("moe_router_backward", moe_router.moe_router_backward_reference, moe_router.moe_router_backward_triton)
+def _register(name: str, kind: str, reference: Callable, triton: Callable) -> None:
+    op = getattr(torch.ops.mxgraph, name).default
+    KERNELS[name] = Kernel(op=op, reference=reference, triton=triton, kind=kind)
+    register_fused_kind(op, kind, backward=name.endswith("_backward"))
+
+
+for _name, _kind, _module, _impl in _TABLE:
+    _register(_name, _kind, getattr(_module, f"{_impl}_reference"), getattr(_module, f"{_impl}_triton"))
+
+# Reference-only ops (no Triton path, so not in KERNELS): their kind all the same.
+register_fused_kind(torch.ops.mxgraph.grouped_mm.default, "matmul")
+register_fused_kind(torch.ops.mxgraph.grouped_mm_wgrad.default, "matmul", backward=True)
