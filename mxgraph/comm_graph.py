@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mxgraph.cost import concrete, schema_arg, tensor_meta
+from mxgraph.cost import concrete, tensor_meta
+from mxgraph.ir import schema_arg
 from mxgraph.runtime.collectives import KIND, VOLUME
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")

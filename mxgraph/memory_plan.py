@@ -41,7 +41,8 @@ from mxgraph.driver import compile_step, fake_model
 from mxgraph.memory import estimate_peak
 from mxgraph.memory_saved import node_bytes, saved_roots, size_hints
 from mxgraph.passes.remat import apply_remat
-from mxgraph.passes.remat_regions import Graph, all_units, norm_units, op_name
+from mxgraph.ir import ATTENTION_OPS, fused_kind, packet
+from mxgraph.passes.remat_regions import Graph, all_units, norm_units
 from mxgraph.plan import Plan
 from mxgraph.runtime.mesh import Mesh
 from mxgraph.schedules import build_schedule, simulate
@@ -123,8 +124,8 @@ def _as_flash_attention(gm) -> None:
     stores: recompute those units, as flash attention's backward does."""
     nodes = set()
     for unit in all_units(gm, {"attn"}):
-        names = {op_name(n) for n in unit.nodes}
-        if not any("scaled_dot_product" in n or n.startswith("mxgraph::") for n in names):
+        if not any(packet(n) in ATTENTION_OPS or fused_kind(n) or fused_kind(n, backward=True)
+                   for n in unit.nodes):  # neither SDPA nor a fused kernel: math attention
             nodes |= unit.nodes
     if nodes:
         apply_remat(gm, nodes)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import mxgraph as mx
 from mxgraph.cli import main as cli_main

@@ -20,6 +20,7 @@ from mxgraph.passes.runner import run_pass
 from mxgraph.runtime.mesh import Mesh
 from tests.distributed import run_ranks
 from tests.helpers import batch, rel_err
+import tests.test_pipeline_exec as pipeline_exec
 from tests.test_pipeline_exec import check_plan
 
 LLAMA = "llama-tiny"

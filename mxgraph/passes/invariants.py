@@ -15,9 +15,7 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from mxgraph.cost import schema_arg
-from mxgraph.memory_saved import storage_roots
-from mxgraph.passes.remat_regions import is_random
+from mxgraph.ir import is_mutating, is_random, schema_arg, storage_roots
 from mxgraph.runtime.collectives import KIND
 
 
@@ -55,7 +53,7 @@ def check_new_nodes(nodes: list[Node], where: str, mesh, adds_random: bool) -> N
         if node.op != "call_function":
             continue
         target = node.target
-        if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        if is_mutating(node):
             raise PassError(f"pass {where} introduced the mutating op {target} ({node.name}); "
                             "graphs stay functional until codegen")
         returns = not isinstance(target, torch._ops.OpOverload) or target._schema.returns

@@ -51,7 +51,7 @@ from torch.fx import Node
 
 from mxgraph.ir import (ATTENTION_OPS, MATMUL_OPS, ancestors, descendants, fused_kind, is_alias,
                         is_forward_op, is_random, packet, storage_roots)
-from mxgraph.ir import op_name  # noqa: F401 - memory_plan imports it from here
+
 
 aten = torch.ops.aten
 

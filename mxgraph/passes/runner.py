@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch.fx import GraphModule
 
 from mxgraph.comm_graph import graph_comm_bytes

@@ -48,7 +48,7 @@ from mxgraph.capture import set_parameter
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
 from mxgraph.ir import COPY_LIKE_OPS, ancestors, closure, descendants, insert_call, is_op
-from mxgraph.passes.shard_tp import repropagate
+from mxgraph.passes.sharding import repropagate
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
@@ -395,7 +395,8 @@ def shard_ep_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     sharder.run()
     for node in sharder.params:
         node.meta["ep_shard_dim"] = 0
-    return repropagate(gm, {node: (0, sharder.ep) for node in sharder.params})
+    return repropagate(gm, {node: [node.meta["val"].shape[0] // sharder.ep,
+                                   *node.meta["val"].shape[1:]] for node in sharder.params})
 
 
 def shard_expert_parameters(model: torch.nn.Module, gm: GraphModule,

@@ -1,574 +1,325 @@
-"""Tensor parallelism by sharding propagation on the forward graph.
+"""Tensor parallelism (with sequence parallelism and vocabulary parallelism) on the sharding
+core (`sharding.py`, `sharding_rules.py`).
 
-Every tensor value gets a placement: R (replicated) or S(d) (sharded along dim d over
-the TP group). Nodes are visited in order and a rule keyed by op decides the output
-placement from the inputs', inserting redistributions (differentiable collectives from
-`mxgraph.runtime.collectives`) where producer and consumer disagree.
+Parameter placements follow Megatron-LM, found from dataflow alone: a matmul whose input
+is replicated gets its weight split along the output features (column parallel: the
+output is a shard of its last dim), a matmul whose input is sharded along the contracted
+features gets its weight split along them (row parallel: the output is partial, summed by
+an all-reduce where a consumer needs it whole, the bias added after). A weight is split
+only if every use reads it as a matmul operand the same way (a tied embedding table and LM
+head: the vocabulary rows). Heads stay sharded through views into attention; a fused
+projection split into pieces (`c_attn(x).split(...)`, fused gate/up) has its weight split
+block by block (Megatron's fused-QKV layout). A column-parallel weight whose shard would
+only be gathered again (a MoE router before its top-k) is left replicated: the pass runs
+once on a copy of the graph, and the weights it blames for a gather stay whole.
 
-Parameter placements are chosen by the Megatron default, found from structure alone:
-a linear whose input is replicated gets its weight sharded by output rows (column
-parallel: S(0)), so its output is sharded on the last dim; a linear whose input is
-sharded on the last dim gets its weight sharded by input columns (row parallel: S(1)),
-its partial output is all-reduced, and its bias added after. Embedding and cross-entropy
-are vocabulary-parallel (`shard_vocab.py`). Views, transposes,
-expands, pointwise ops, attention over heads and norms over unsharded dims keep the
-shard; anything else gathers its inputs first (correct, slower) — `gathers` in the
-node table shows where. A parameter read other than as a linear weight (or an embedding
-table) stays replicated.
+Vocabulary parallelism: an embedding of the step's token ids with a split table looks up
+its own rows and zeroes the others (a partial value); a cross-entropy over logits split
+along the classes becomes `mxgraph::vocab_parallel_ce` (three all-reduces of one float per
+token), so logits are never gathered.
 
-Sequence parallelism (`Plan(sequence_parallel=True)`, Megatron-LM's SP): activations
-[..., s, h] between a row-parallel linear and the next column-parallel one are sharded
-along the sequence (the dim before the last): the row-parallel output is reduce-scattered
-along it instead of all-reduced, norms, dropout and residual adds run on the sequence
-shard, and the column-parallel input is all-gathered (backward: reduce-scatter). Replicated
-parameters read in that region (norm weights, biases) get their gradient summed over the
-group by a `tp_copy`. Numerics: equal up to all-reduce summation order.
+Sequence parallelism (`Plan(sequence_parallel=True)`): partial values [.., s, h] are
+reduce-scattered along the sequence instead of all-reduced, norms, dropout and residual
+adds run on sequence shards, and a column-parallel input is all-gathered (backward:
+reduce-scatter); replicated parameters read there get their gradient summed by `tp_copy`.
+Numerics: equal to one device up to the order of the sums.
 """
 from __future__ import annotations
 
-import math
+import operator
 
 import torch
-from torch.fx import GraphModule, Node
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx import Graph, GraphModule, Node
 
 import mxgraph.runtime.collectives  # noqa: F401 - registers the collective ops
 import mxgraph.runtime.collectives_cp  # noqa: F401 - registers the CP ops
-from mxgraph.capture import set_parameter
+import mxgraph.runtime.vocab_parallel  # noqa: F401 - registers vocab_parallel_ce
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
-from mxgraph.ir import COPY_LIKE_OPS, VIEW_OPS, insert_call
-from mxgraph.passes import shard_vocab
+from mxgraph.ir import COPY_LIKE_OPS, VIEW_OPS, descendants, schema_arg
+from mxgraph.passes.placement import P, R, Shard
+from mxgraph.passes.sharding import AxisOps, Rules, Sharder, placed, repropagate
+from mxgraph.passes.sharding_rules import (COMMON, SPLITS, addmm_rule, linear_rule,
+                                           row_cross_entropy_rule, split_rule)
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
-R = None  # placement: replicated; an int d means sharded along dim d
-
-DROPOUT_OPS = {aten.dropout.default, aten.native_dropout.default}  # random, but per element
-KEEP_OPS = COPY_LIKE_OPS | {aten.type_as.default} | DROPOUT_OPS
-"""Ops whose output keeps the placement of their first input."""
-REDUCTION_OPS = {aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
-                 aten.var.correction, aten.logsumexp.default}
+TP = Rules(COMMON)
 CP_OPS = {mx.cp_chunk.default, mx.cp_all_gather.default, mx.cp_all_reduce.default,
           mx.cp_replicated.default}
-SPLIT_OPS = {aten.chunk.default, aten.split.Tensor, aten.split_with_sizes.default,
-             aten.unbind.int}
 
 
-class _Sharder:
-    def __init__(self, gm: GraphModule, ctx: CompileContext):
-        self.gm, self.graph = gm, gm.graph
-        self.tp = ctx.mesh.sizes["tp"]
-        self.rank = ctx.mesh.coords["tp"]
-        self.sp = ctx.plan.sequence_parallel
-        self.group = ctx.mesh.group_name("tp")
-        self.place: dict[Node, int | None] = {}
-        self.param_dim: dict[Node, int | None] = {}
-        self.copies: dict[Node, Node] = {}
-        self.seq_gathers: dict[Node, Node] = {}
-        self.blocks: dict[Node, list[int]] = {}  # parameter -> block sizes along dim 0
+class TensorSharder(Sharder):
+    """The engine with TP's parameter choices and fused-projection splits."""
 
-    # ---- helpers ----------------------------------------------------------------------
-    def insert(self, before: Node, target, args) -> Node:
-        """`target(*args)` before `before`, with its provenance. Rules read full (unsharded)
-        shapes: a collective keeps its input's fake value, other new nodes get none until
-        the pass re-propagates."""
-        full = args[0].meta.get("val") if getattr(target, "namespace", None) == "mxgraph" \
-            else None
-        return insert_call(self.graph, target, args, before=before, like=before, val=full)
+    def param(self, node: Node) -> bool:
+        return node.op == "placeholder" and node.meta.get("mx_slot_kind") == "param"
 
-    def copy_of(self, value: Node, user: Node) -> Node:
-        """`tp_copy(value)`: identity forward, all-reduce of the gradient backward. One per
-        value, so q, k and v reading the same input share one all-reduce."""
-        if value not in self.copies:
-            self.copies[value] = self.insert(user, mx.tp_copy.default, (value, self.group))
-            self.place[self.copies[value]] = R
-        return self.copies[value]
-
-    def seq_dim(self, value: Node) -> int | None:
-        """With SP, the sequence dim of an activation [..., s, h] (the one before the
-        last) if tp divides it; else None (the value stays unsharded by sequence)."""
-        shape = value.meta["val"].shape
-        if not self.sp or len(shape) < 3 or shape[-2] % self.tp:
-            return None
-        return len(shape) - 2
-
-    def seq_gather(self, value: Node, user: Node) -> Node:
-        """`sp_all_gather` of a sequence shard before a column-parallel linear, one per
-        value (its backward reduce-scatters the partial input gradients)."""
-        if value not in self.seq_gathers:
-            self.seq_gathers[value] = self.insert(
-                user, mx.sp_all_gather.default, (value, self.place[value], self.group))
-            self.place[self.seq_gathers[value]] = R
-        return self.seq_gathers[value]
-
-    def reduce_after(self, value: Node, op, args: tuple, placement) -> Node:
-        """Sum `value`'s partials over the group with `op` (all-reduce, or reduce-scatter
-        along `placement`), rerouting every other user of `value` to the result."""
-        reduced = insert_call(self.graph, op, (value,) + args + (self.group,), after=value,
-                              like=value, val=value.meta["val"])  # the full shape, as rules expect
-        value.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
-        self.place[reduced] = placement
-        return reduced
-
-    def to_replicated(self, user: Node, value: Node) -> Node:
-        dim = self.place.get(value, R)
-        if dim is R:
-            return value
-        gathered = self.insert(user, mx.tp_all_gather.default, (value, dim, self.group))
-        self.place[gathered] = R
-        return gathered
-
-    def shard_param(self, param: Node, dim: int, user: Node) -> bool:
-        """Choose S(dim) for a parameter placeholder read only as linear weights (and, for
-        dim 0, embedding tables). PlanError if tp does not divide that dim."""
-        if self.param_dim.get(param, "unset") != "unset":
-            return self.param_dim[param] == dim
-        ok = (param.op == "placeholder" and param.meta.get("mx_slot_kind") == "param"
-              and all(_reads_as_matrix(u, param, dim) for u in param.users))
-        size = param.meta["val"].shape[dim] if ok else 0
-        if ok and size % self.tp:
-            where = (user.meta.get("custom") or {}).get("module", "?")
+    def choose(self, weight: Node, placement: Shard, user: Node) -> bool:
+        """Give a parameter `placement` if every use reads it as the same matmul operand
+        and the split dim divides; False leaves it replicated."""
+        if not self.param(weight) or weight.meta.get("mx_slot_key") in self.keep_replicated:
+            return False
+        if weight in self.params:
+            return self.params[weight] == placement
+        ok = all(_reads_as_matrix(u, weight, placement.dim) for u in weight.users)
+        size = self.full(weight)[placement.dim] if ok else 0
+        if ok and size % self.axis.size:
+            module = (user.meta.get("custom") or {}).get("module") or "<top>"
             raise PlanError(
-                f"tp={self.tp} does not divide dim {dim} (size {size}) of parameter "
-                f"{param.meta.get('mx_slot_key')} read by {where} ({user.target}): the "
-                f"vocabulary, FFN width and heads must split evenly; choose tp in "
+                f"tp={self.axis.size} does not divide dim {placement.dim} (size {size}) of "
+                f"parameter {weight.meta.get('mx_slot_key')} read by {module} ({user.target}):"
+                f" the vocabulary, FFN width and heads must split evenly; choose tp in "
                 f"{divisors(size)} or pad that dim")
-        self.param_dim[param] = dim if ok else R
+        self.params[weight] = placement if ok else R
+        self.place[weight] = self.params[weight]
         return ok
 
-    # ---- rules ------------------------------------------------------------------------
-    def linear(self, node: Node) -> int | None:
-        x, weight = node.args[0], node.args[1]
-        bias = node.args[2] if len(node.args) > 2 else None
-        ndim = len(node.meta["val"].shape)
-        x_dim = self.place.get(x, R)
-        x_last = len(x.meta["val"].shape) - 1
-        in_seq = x_dim is not R and x_dim != x_last and x_dim == self.seq_dim(x)
-        if (x_dim is R or in_seq) and self.shard_param(weight, 0, node) and (
-                bias is None or self.shard_param_bias(bias, 0)):
-            feed = self.seq_gather(x, node) if in_seq else self.copy_of(x, node)
-            node.replace_input_with(x, feed)
-            return ndim - 1
-        if x_dim == x_last and self.shard_param(weight, 1, node):
-            node.args = (x, weight)
-            seq = self.seq_dim(node)
-            if seq is None:
-                reduced = self.reduce_after(node, mx.tp_all_reduce.default, (), R)
-            else:
-                reduced = self.reduce_after(node, mx.sp_reduce_scatter.default, (seq,), seq)
-            if bias is not None:
-                added = insert_call(self.graph, aten.add.Tensor, (reduced, bias), after=reduced,
-                                    like=node, val=node.meta["val"])
-                reduced.replace_all_uses_with(added, delete_user_cb=lambda u: u is not added)
-                self.place[added] = self.pointwise(added)
-            return R  # the linear itself is partial; only the reduced value is read
-        if any(self.place.get(a, R) is not R for a in node.all_input_nodes):
-            self.gather_all(node)
-        return R
-
-    def shard_param_bias(self, bias: Node, dim: int) -> bool:
-        ok = (bias.op == "placeholder" and bias.meta.get("mx_slot_kind") == "param"
-              and all(u.target is aten.linear.default and u.args[2] is bias
-                      for u in bias.users))
-        self.param_dim[bias] = dim if ok else R
-        return ok
-
-    def view(self, node: Node) -> int | None:
-        x, shape = node.args[0], list(node.args[1])
-        dim = self.place.get(x, R)
-        if dim is R:
-            return R
-        full_in = list(x.meta["val"].shape)
-        full_out = list(shape)
-        if -1 in full_out:  # infer it from the other sizes
-            known = math.prod(s for s in full_out if s != -1)
-            full_out[full_out.index(-1)] = math.prod(full_in) // known
-        out_dim = _view_dim(full_in, full_out, dim)
-        if out_dim is None:  # e.g. flattening [b, s/tp, h] -> [b*s, h] with b > 1
-            self.gather_all(node)
-            return R
-        if full_out[out_dim] % self.tp:
-            size = full_out[out_dim]
-            raise PlanError(f"tp={self.tp} cannot shard {node.name} ({node.target}: "
-                            f"{full_in} -> {full_out}) along the split dim of size {size}: "
-                            f"choose tp in {divisors(size)} (e.g. tp must divide the "
-                            f"number of heads and KV heads)")
-        local = list(full_out)
-        local[out_dim] //= self.tp
-        node.args = (x, local) + tuple(node.args[2:])
-        return out_dim
-
-    def expand(self, node: Node) -> int | None:
-        x, sizes = node.args[0], list(node.args[1])
-        dim = self.place.get(x, R)
-        if dim is R:
-            return R
-        out_dim = dim + len(sizes) - x.meta["val"].dim()
-        if sizes[out_dim] != -1:
-            sizes[out_dim] //= self.tp
-        node.args = (x, sizes) + tuple(node.args[2:])
-        return out_dim
-
-    def permute(self, node: Node) -> int | None:
+    def split_along_shard(self, node: Node):
+        """A column-parallel output split into pieces along its shard (fused q/k/v or
+        gate/up): the weight is split block by block, so every piece stays a shard."""
         x = node.args[0]
-        dim = self.place.get(x, R)
-        if dim is R:
-            return R
-        ndim = x.meta["val"].dim()
-        if node.target is aten.transpose.int:
-            a, b = (d % ndim for d in node.args[1:3])
-            return b if dim == a else a if dim == b else dim
-        if node.target is aten.t.default:
-            return 1 - dim
-        order = [d % ndim for d in node.args[1]]
-        return order.index(dim)
-
-    def unsqueeze(self, node: Node) -> int | None:
-        dim = self.place.get(node.args[0], R)
-        if dim is R:
-            return R
-        new = node.args[1] % node.meta["val"].dim()
-        return dim + 1 if new <= dim else dim
-
-    def slice_like(self, node: Node) -> int | None:
-        x = node.args[0]
-        dim = self.place.get(x, R)
-        ndim = x.meta["val"].dim()
-        along = node.args[1] % ndim if len(node.args) > 1 else 0
-        if dim is R:
-            return R
-        if along != dim:
-            dropped = node.target is aten.select.int and along < dim
-            return dim - 1 if dropped else dim
-        self.gather_all(node)
-        return R
-
-    def split(self, node: Node) -> int | None:
-        """Multi-output: every piece keeps the shard if the split is along another dim."""
-        x = node.args[0]
-        dim = self.place.get(x, R)
-        ndim = x.meta["val"].dim()
-        position = 1 if node.target is aten.unbind.int else 2
-        along = (node.args[position] if len(node.args) > position else
-                 node.kwargs.get("dim", 0)) % ndim
-        if dim is not R and along == dim and self.split_blocks(node, x, along):
-            return dim
-        if dim is R or along == dim:
-            if dim is not R:
-                self.gather_all(node)
-            return R
-        return dim - 1 if node.target is aten.unbind.int and along < dim else dim
-
-    def split_blocks(self, node: Node, x: Node, along: int) -> bool:
-        """A column-parallel output split in pieces along its sharded dim (a fused q/k/v
-        or gate/up projection): shard the weight block by block, so that each rank holds
-        its slice of every piece (Megatron's fused-QKV layout) and the pieces stay sharded.
-        False if the pattern does not hold (the caller gathers)."""
-        src = x
-        while src.op == "call_function" and src.target in KEEP_OPS - DROPOUT_OPS:
-            src = src.args[0]
-        if src.op != "call_function" or src.target is not aten.linear.default or \
-                node.target is aten.unbind.int or along != x.meta["val"].dim() - 1:
-            return False
-        params = [p for p in src.args[1:3] if p is not None]
-        full = x.meta["val"].shape[along]
-        if node.target is aten.split.Tensor:
-            size = node.args[1]
-            sizes = [size] * (full // size) + ([full % size] if full % size else [])
-        elif node.target is aten.split_with_sizes.default:
-            sizes = list(node.args[1])
-        else:  # chunk
-            sizes = [t.meta["val"].shape[along] for t in node.users] or []
-            if len(sizes) != node.args[1]:
-                return False
-        if any(size % self.tp for size in sizes) or any(
-                self.param_dim.get(p) != 0 or len(p.users) != 1 for p in params):
-            return False
+        source = x
+        while source.op == "call_function" and source.target in COPY_LIKE_OPS:
+            source = source.args[0]
+        count = len(node.meta["val"])
+        along = schema_arg(node, "dim", 0) % self.ndim(x)
+        if not (source.op == "call_function" and source.target is aten.linear.default and
+                node.target is not aten.unbind.int and along == self.ndim(x) - 1):
+            return self.gather_all(node, "a split along the sharded dim")
+        params = [p for p in source.args[1:3] if p is not None]
+        sizes = [t.shape[along] for t in node.meta["val"]]
+        if any(size % self.axis.size for size in sizes) or any(
+                self.params.get(p) != Shard(0) or len(p.users) != 1 for p in params):
+            return self.gather_all(node, "a split along the sharded dim")
         for param in params:
             self.blocks[param] = sizes
         if node.target is aten.split.Tensor:
-            node.args = (x, node.args[1] // self.tp) + tuple(node.args[2:])
+            node.args = (x, node.args[1] // self.axis.size) + tuple(node.args[2:])
         elif node.target is aten.split_with_sizes.default:
-            node.args = (x, [size // self.tp for size in sizes]) + tuple(node.args[2:])
-        return True
-
-    def cat(self, node: Node) -> int | None:
-        tensors, along = node.args[0], node.args[1] if len(node.args) > 1 else 0
-        dims = {self.place.get(t, R) for t in tensors}
-        ndim = node.meta["val"].dim()
-        sharded = dims - {R}
-        if len(sharded) == 1 and (d := sharded.pop()) != along % ndim:
-            for t in tensors:  # replicated pieces (e.g. a shared RoPE key): this rank's part
-                if self.place.get(t, R) is R:
-                    node.replace_input_with(t, self.insert(node, mx.tp_slice.default,
-                                                           (t, d, self.group)))
-            return d
-        self.gather_all(node)
-        return R
-
-    def attention(self, node: Node) -> int | None:
-        q, k, v = node.args[:3]
-        dims = [self.place.get(t, R) for t in (q, k, v)]
-        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-        mask_ok = mask is None or (self.place.get(mask, R) is R and (
-            mask.meta["val"].dim() < 3 or mask.meta["val"].shape[-3] == 1))
-        if dims == [1, 1, 1] and mask_ok:  # a mask broadcast over heads is fine
-            return 1
-        self.gather_all(node)
-        return R
-
-    def reduction(self, node: Node) -> int | None:
-        """Sum/mean/max over dims that do not include the shard keep it."""
-        x = node.args[0]
-        dim, ndim = self.place.get(x, R), x.meta["val"].dim()
-        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        keepdim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
-        if dims is None or dim is R:
-            self.gather_all(node)
-            return R
-        dims = {d % ndim for d in ([dims] if isinstance(dims, int) else dims)}
-        if dim in dims or not dims:
-            self.gather_all(node)
-            return R
-        return dim if keepdim else dim - sum(d < dim for d in dims)
-
-    def norm(self, node: Node) -> int | None:
-        x = node.args[0]
-        dim = self.place.get(x, R)
-        normalized = len(node.args[1])
-        if dim is not R and dim < x.meta["val"].dim() - normalized:
-            for param in node.all_input_nodes[1:]:  # weight, bias: partial gradients
-                node.replace_input_with(param, self.copy_of(param, node))
-            return dim
-        self.gather_all(node)
-        return R
-
-    def pointwise(self, node: Node) -> int | None:
-        out_ndim = node.meta["val"].dim()
-        tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"),
-                                                                 torch.Tensor)]
-        sharded = {out_ndim - a.meta["val"].dim() + self.place[a] for a in tensors
-                   if self.place.get(a, R) is not R}
-        if not sharded:
-            return R
-        if len(sharded) > 1:
-            self.gather_all(node)
-            return R
-        out_dim = sharded.pop()
-        for arg in tensors:
-            if self.place.get(arg, R) is not R:
-                continue
-            arg_dim = out_dim - (out_ndim - arg.meta["val"].dim())
-            if arg_dim >= 0 and arg.meta["val"].shape[arg_dim] != 1:
-                sliced = self.insert(node, mx.tp_slice.default, (arg, arg_dim, self.group))
-                node.replace_input_with(arg, sliced)
-            else:  # broadcast over the shard: its gradient is a partial sum per rank
-                node.replace_input_with(arg, self.copy_of(arg, node))
-        return out_dim
-
-    def context_parallel(self, node: Node) -> int | None:
-        """A CP collective along another dim than the TP shard keeps it."""
-        dim = self.place.get(node.args[0], R)
-        along = node.args[1] if len(node.args) > 2 else None
-        if dim is R or (along is not None and along % node.meta["val"].dim() == dim):
-            self.gather_all(node)
-            return R
-        return dim
-
-    def gather_all(self, node: Node) -> None:
-        for arg in list(node.all_input_nodes):
-            if self.place.get(arg, R) is not R:
-                node.replace_input_with(arg, self.to_replicated(node, arg))
-        add_tag(node, "gathers")
-
-    def rule(self, node: Node):
-        target = node.target
-        if target is aten.linear.default:
-            return self.linear
-        if target in VIEW_OPS:
-            return self.view
-        if target is aten.expand.default:
-            return self.expand
-        if target in (aten.transpose.int, aten.permute.default, aten.t.default):
-            return self.permute
-        if target is aten.unsqueeze.default:
-            return self.unsqueeze
-        if target in (aten.slice.Tensor, aten.select.int):
-            return self.slice_like
-        if target is aten.cat.default:
-            return self.cat
-        if target in SPLIT_OPS:
-            return self.split
-        if getattr(target, "__name__", "") == "getitem":
-            return lambda n: self.place.get(n.args[0], R)
-        if target is aten.scaled_dot_product_attention.default:
-            return self.attention
-        if target in (aten.rms_norm.default, aten.layer_norm.default):
-            return self.norm
-        if target in REDUCTION_OPS:
-            return self.reduction
-        if target is aten.embedding.default:
-            return lambda n: shard_vocab.embedding(self, n)
-        if target is aten.cross_entropy_loss.default:
-            return lambda n: shard_vocab.cross_entropy(self, n)
-        if target in KEEP_OPS:
-            return lambda n: self.place.get(n.args[0], R)
-        if target in CP_OPS:
-            return self.context_parallel
-        if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
-            return self.pointwise
-        return None
-
-    def run(self) -> None:
-        propagate(self, always=(aten.linear.default, aten.embedding.default))
-        output = self.graph.find_nodes(op="output")[0]
-        for value in output.all_input_nodes:
-            if self.place.get(value, R) is not R:
-                output.replace_input_with(value, self.to_replicated(output, value))
+            node.args = (x, [size // self.axis.size for size in sizes]) + tuple(node.args[2:])
+        return (self.of(x),) * count
 
 
 def _reads_as_matrix(user: Node, param: Node, dim: int) -> bool:
     if user.target is aten.linear.default:
         return user.args[1] is param
+    if user.target in (aten.mm.default, aten.addmm.default):
+        return user.args[-1] is param and param.meta["val"].dim() == 2
     return user.target is aten.embedding.default and user.args[0] is param and dim == 0
 
 
-def propagate(sharder, always=()) -> None:
-    """Visit the graph in order: a node with no sharded input (unless its op is in
-    `always`) is replicated; else `sharder.rule(node)` gives its placement, and a node
-    with no rule gathers its inputs (`sharder.gather_all`)."""
-    for node in list(sharder.graph.nodes):
-        if node.op != "call_function" or node in sharder.place:
+@TP.register(aten.linear.default, always=True)
+def tp_linear_rule(s: TensorSharder, node: Node):
+    x, weight = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
+    have, last = s.of(x), s.ndim(x) - 1
+    if have == R or (isinstance(have, Shard) and placed(have, s.ndim(x)).dim != last):
+        if s.choose(weight, Shard(0), node):  # column parallel
+            if bias is not None:
+                s.choose(bias, Shard(0), node)
+            s.need(node, x, R, split_user=True)  # a sequence shard is all-gathered
+    elif isinstance(have, Shard) and s.choose(weight, Shard(1), node):  # row parallel
+        pass
+    if all(s.of(a) == R for a in node.all_input_nodes):
+        return R
+    return linear_rule(s, node)
+
+
+@TP.register(aten.mm.default, aten.addmm.default, always=True)
+def tp_mm_rule(s: TensorSharder, node: Node):
+    """x @ W (+ b) with W [in, out] (GPT-2's Conv1D): column parallel splits W's dim 1."""
+    x, weight = node.args[-2], node.args[-1]
+    have = s.of(x)
+    if s.param(weight):
+        if have == R or isinstance(have, Shard) and placed(have, 2).dim == 0:
+            if s.choose(weight, Shard(1), node):
+                if node.target is aten.addmm.default:
+                    s.choose(node.args[0], Shard(0), node)
+                s.need(node, x, R, split_user=True)
+        elif isinstance(have, Shard):
+            s.choose(weight, Shard(0), node)
+    if all(s.of(a) == R for a in node.all_input_nodes):
+        return R
+    if node.target is aten.addmm.default:
+        return addmm_rule(s, node)
+    return COMMON.table[aten.mm.default](s, node)
+
+
+@TP.register(aten.embedding.default, always=True)
+def vocab_embedding_rule(s: TensorSharder, node: Node):
+    """The step's token ids looked up in a vocabulary-split table: this rank's rows, zeros
+    elsewhere (P)."""
+    weight, indices = node.args[:2]
+    extra = tuple(node.args[2:]) + tuple(node.kwargs.values())
+    if s.of(indices) != R or any(a not in (-1, False) for a in extra) or \
+            not _reads_input(indices) or not s.choose(weight, Shard(0), node):
+        return COMMON.table[aten.embedding.default](s, node) if s.of(indices) != R else R
+    rows = s.full(weight)[0] // s.axis.size
+    local = s.insert(node, aten.sub.Tensor, (indices, s.axis.rank * rows))
+    low = s.insert(node, aten.ge.Scalar, (local, 0))
+    high = s.insert(node, aten.lt.Scalar, (local, rows))
+    valid = s.insert(node, aten.logical_and.default, (low, high))
+    node.args = (weight, s.insert(node, aten.mul.Tensor, (local, valid)))
+    mask = s.insert(node.next, aten.unsqueeze.default, (valid, -1))
+    masked = s.insert(mask.next, aten.mul.Tensor, (node, mask), placement=P)
+    node.replace_all_uses_with(masked, delete_user_cb=lambda u: u is not masked)
+    return P  # the lookup is partial too (only the masked value is read)
+
+
+def _reads_input(value: Node) -> bool:
+    """`value` is an input of the step, seen through views and copies."""
+    while value.op == "call_function" and (value.target in VIEW_OPS | COPY_LIKE_OPS or
+                                           value.target is mx.cp_chunk.default):
+        value = value.args[0]
+    return value.op == "placeholder" and value.meta.get("mx_slot_kind") == "input"
+
+
+@TP.register(aten.cross_entropy_loss.default)
+def vocab_cross_entropy_rule(s: TensorSharder, node: Node):
+    """Logits [N, C] split along C -> `vocab_parallel_ce` (+ the reduction)."""
+    logits, target = node.args[:2]
+    shard = placed(s.of(logits), s.ndim(logits)) if isinstance(s.of(logits), Shard) else None
+    if shard is None or shard.dim != 1 or s.ndim(logits) != 2:
+        return row_cross_entropy_rule(s, node)
+    if s.of(target) != R or schema_arg(node, "weight") is not None or \
+            schema_arg(node, "label_smoothing", 0.0) != 0.0:
+        return s.gather_all(node, "a weighted or smoothed cross-entropy of split logits")
+    ignore, reduction = schema_arg(node, "ignore_index", -100), schema_arg(node, "reduction", 1)
+    both = s.insert(node, mx.vocab_parallel_ce.default, (logits, target, ignore, s.axis.group))
+    loss = s.insert(node, operator.getitem, (both, 0))
+    result = loss
+    if reduction != 0:
+        result = s.insert(node, aten.sum.default, (loss,))
+        if reduction == 1:
+            kept = s.insert(node, aten.ne.Scalar, (target, ignore))
+            result = s.insert(node, aten.div.Tensor, (result, s.insert(
+                node, aten.sum.default, (kept,))))
+    node.replace_all_uses_with(result)
+    s.graph.erase_node(node)
+    return R
+
+
+@TP.register(*CP_OPS)
+def context_parallel_rule(s: TensorSharder, node: Node):
+    """A context-parallel collective along another dim keeps the TP placement."""
+    have = s.of(node.args[0])
+    along = node.args[1] if node.target in (mx.cp_chunk.default, mx.cp_all_gather.default) \
+        else None
+    if isinstance(have, Shard) and along is not None and \
+            placed(have, s.ndim(node.args[0])).dim == along % s.ndim(node.args[0]):
+        return s.gather_all(node, "a context-parallel collective along the TP shard")
+    return have
+
+
+def _sequence_dim(sharder: TensorSharder):
+    def dim(value: Node) -> int | None:
+        shape = value.meta["val"].shape
+        return len(shape) - 2 if len(shape) >= 3 and shape[-2] % sharder.axis.size == 0 \
+            else None
+    return dim
+
+
+def tp_axis(ctx: CompileContext) -> AxisOps:
+    mesh = ctx.mesh
+    return AxisOps("tp", mesh.sizes["tp"], mesh.coords["tp"], mesh.group_name("tp"),
+                   all_reduce=mx.tp_all_reduce.default, all_gather=mx.tp_all_gather.default,
+                   gather_split=mx.sp_all_gather.default, slice=mx.tp_slice.default,
+                   reduce_scatter=mx.sp_reduce_scatter.default, copy=mx.tp_copy.default)
+
+
+def _sharder(gm: GraphModule, ctx: CompileContext, keep: set[str]) -> TensorSharder:
+    sharder = TensorSharder(gm, tp_axis(ctx), TP, strict=ctx.plan.strict_sharding,
+                            keep_replicated=set(keep))
+    if ctx.plan.sequence_parallel:
+        sharder.sequence_dim = _sequence_dim(sharder)
+    return sharder
+
+
+def _blamed(gm: GraphModule, ctx: CompileContext, keep: set[str]) -> set[str]:
+    """Column-parallel weights whose shard reaches a gather, or a reduction over the split
+    features (a norm of a down-projection), in a trial run on a copy: Megatron's layout
+    keeps such projections whole."""
+    graph = Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    trial = _sharder(GraphModule(gm, graph), ctx, keep)
+    trial.strict = False
+    trial.run()
+    events = trial.fallbacks + trial.sharded_reductions
+    # a choice made on an input that an earlier event already changed is a consequence,
+    # not a cause: blamed in a later round, once the cause is fixed
+    tainted = descendants([e.node for e in events])
+    blamed = set()
+    for event in events:
+        for matmul, weight in _column_sources(trial, list(event.inputs)):
+            if matmul not in tainted:
+                blamed.add(_role(matmul))
+    # repeated layers share one layout: a weight blamed in one layer is kept whole in all
+    return {n.meta.get("mx_slot_key") for n in trial.graph.nodes
+            if n.op == "call_function" and _role(n) in blamed and n.target in (
+                aten.linear.default, aten.mm.default, aten.addmm.default)
+            for n in [n.args[1] if n.target is aten.linear.default else n.args[-1]]
+            if trial.param(n)} - keep
+
+
+def _role(matmul: Node) -> tuple:
+    """A matmul's place in its layer: its module path with the layer index left out."""
+    custom = matmul.meta.get("custom") or {}
+    layer = custom.get("layer")
+    parts = (custom.get("module") or "").split(".")
+    return tuple("*" if layer is not None and part == str(layer) else part for part in parts)
+
+
+def _column_sources(s: TensorSharder, values: list[Node]) -> set[tuple[Node, Node]]:
+    """(matmul, weight) of the column-parallel matmuls whose shard `values` carry (back
+    through ops that keep a placement, up to the matmul)."""
+    found, todo, seen = set(), list(values), set()
+    while todo:
+        value = todo.pop()
+        if value in seen or s.of(value) == R:
             continue
-        if node.target not in always and all(sharder.place.get(a, R) is R
-                                             for a in node.all_input_nodes):
-            sharder.place[node] = R
+        seen.add(value)
+        if value.op == "call_function" and value.target in (aten.linear.default, aten.mm.default,
+                                                            aten.addmm.default):
+            weight = value.args[1] if value.target is aten.linear.default else value.args[-1]
+            if s.params.get(weight) in (Shard(0), Shard(1)) and s.of(value) != P:
+                found.add((value, weight))
             continue
-        rule = sharder.rule(node)
-        if rule is None:
-            sharder.gather_all(node)
-            sharder.place[node] = R
-        else:
-            sharder.place[node] = rule(node)
-
-
-def add_tag(node: Node, tag: str) -> None:
-    """Append `tag` to meta["custom"]["tags"] (shown in the dump's node table)."""
-    custom = dict(node.meta.get("custom") or {})
-    custom["tags"] = tuple(custom.get("tags", ())) + (tag,)
-    node.meta["custom"] = custom
-
-
-def view_group(full_in: list[int], full_out: list[int], dim: int):
-    """(input dims, output dims) of the group holding input dim `dim` in a view, or None.
-
-    Groups of input and output dims with equal products are matched left to right."""
-    i = j = 0
-    while i < len(full_in) and j < len(full_out):
-        gi, gj = [i], [j]
-        pi, pj = full_in[i], full_out[j]
-        while pi != pj:
-            if pi < pj:
-                i += 1
-                gi.append(i)
-                pi *= full_in[i]
-            else:
-                j += 1
-                gj.append(j)
-                pj *= full_out[j]
-        if dim in gi:
-            return gi, gj
-        i, j = i + 1, j + 1
-    return None
-
-
-def _view_dim(full_in: list[int], full_out: list[int], dim: int) -> int | None:
-    """The output dim that carries input dim `dim`'s shard through a view, or None: the
-    shard survives if `dim` is the leading non-1 dim of its group (`view_group`), and goes
-    to the leading non-1 output dim of the same group."""
-    group = view_group(full_in, full_out, dim)
-    if group is None:
-        return None
-    gi, gj = group
-    lead_in = next((d for d in gi if full_in[d] != 1), None)
-    lead_out = next((d for d in gj if full_out[d] != 1), None)
-    return lead_out if lead_in == dim else None
+        todo.extend(value.all_input_nodes)
+    return found
 
 
 def shard_tp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """Shard the forward graph for tensor parallelism (see module docstring).
 
     Precondition: placeholders carry meta["mx_slot_kind"]. Guarantee: parameter
-    placeholders chosen for sharding carry meta["tp_shard_dim"] and their local shape;
-    every node's meta["val"] is re-propagated. Numerics: not bitwise (all-reduce order).
-    Returns `gm` unchanged when tp == 1.
+    placeholders chosen for sharding carry meta["tp_shard_dim"] (and "tp_blocks") and their
+    local shape; every value has a placement; fallbacks are listed in `ctx.findings`.
+    Numerics: not bitwise (the order of the sums). Returns `gm` unchanged when tp == 1.
     """
     if ctx.mesh is None or ctx.mesh.sizes["tp"] == 1:
         return gm
-    sharder = _Sharder(gm, ctx)
+    keep: set[str] = set()
+    layers = {(n.meta.get("custom") or {}).get("layer") for n in gm.graph.nodes}
+    for _ in range(2 * len(layers) + 2):  # a round fixes the first layer a cause sits in
+        blamed = _blamed(gm, ctx, keep)
+        if not blamed:
+            break
+        keep |= blamed
+    sharder = _sharder(gm, ctx, keep)
     sharder.run()
-    for node in gm.graph.find_nodes(op="placeholder"):
-        dim = sharder.param_dim.get(node)
-        if isinstance(dim, int):
-            node.meta["tp_shard_dim"] = dim
+    ctx.findings += [f.describe() for f in sharder.fallbacks]
+    local = {}
+    for node, placement in sharder.params.items():
+        if isinstance(placement, Shard):
+            node.meta["tp_shard_dim"] = placement.dim
             if node in sharder.blocks:
                 node.meta["tp_blocks"] = sharder.blocks[node]
-    return repropagate(gm, {node: (dim, sharder.tp) for node, dim in sharder.param_dim.items()
-                            if isinstance(dim, int)})
+            shape = list(node.meta["val"].shape)
+            shape[placement.dim] //= sharder.axis.size
+            local[node] = shape
+    return repropagate(gm, local)
 
 
-def repropagate(gm: GraphModule, shards: dict) -> GraphModule:
-    """Lint, recompile and re-run fake propagation on `gm` after a sharding pass, with the
-    placeholders in `shards` (node -> (dim, parts)) at their local shape."""
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    fake_mode = torch._guards.detect_fake_mode([n.meta["val"] for n in placeholders])
-    fake_inputs = []
-    for node in placeholders:
-        value = node.meta["val"]
-        if node in shards:
-            dim, parts = shards[node]
-            shape = list(value.shape)
-            shape[dim] //= parts
-            with fake_mode:
-                value = torch.empty(shape, dtype=value.dtype, device=value.device)
-        fake_inputs.append(value)
-    gm.graph.lint()
-    gm.recompile()
-    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*fake_inputs)
-    return gm
-
-
-def shard_parameters(model: torch.nn.Module, gm: GraphModule, ctx: CompileContext) -> None:
-    """Replace each parameter the pass sharded by this rank's shard, in the model itself
-    (every alias of a tied parameter too), so `step.parameters()` are the local shards."""
-    if ctx.mesh is None or ctx.mesh.sizes["tp"] == 1:
-        return
-    tp, rank = ctx.mesh.sizes["tp"], ctx.mesh.coords["tp"]
-    named = dict(model.named_parameters(remove_duplicate=False))
-    for node in gm.graph.find_nodes(op="placeholder"):
-        dim = node.meta.get("tp_shard_dim")
-        if dim is None:
-            continue
-        full = named[node.meta["mx_slot_key"]]
-        if full.shape == node.meta["val"].shape:
-            continue  # already sharded by an earlier compile
-        shard = torch.nn.Parameter(tp_shard(full.detach(), dim, node.meta.get("tp_blocks"),
-                                            tp, rank).clone(),
-                                   requires_grad=full.requires_grad)
-        shard.mx_tp_layout = (dim, node.meta.get("tp_blocks"))
-        for name, param in named.items():
-            if param is full:
-                set_parameter(model, name, shard)
-
-
-def tp_shard(full: torch.Tensor, dim: int, blocks: list[int] | None, tp: int,
-             rank: int) -> torch.Tensor:
-    """Rank `rank`'s TP shard of a full tensor along `dim`: one chunk, or with `blocks`
-    (sizes along `dim` of a fused projection's pieces) its chunk of every block. A
-    parameter the pass sharded carries `mx_tp_layout = (dim, blocks)`, so a full tensor
-    (a checkpoint, a reference gradient) can be cut the same way."""
-    if blocks is None:
-        return full.chunk(tp, dim)[rank]
-    return torch.cat([block.chunk(tp, dim)[rank] for block in full.split(blocks, dim)], dim)
+__all__ = ["SPLITS", "TP", "TensorSharder", "shard_tp_pass", "split_rule", "tp_axis"]

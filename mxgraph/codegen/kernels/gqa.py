@@ -112,7 +112,8 @@ def gqa_attention_backward_reference(grad_out: Tensor, grad_lse: Tensor | None, 
 
 # --------------------------------------------------------------------------- triton
 @triton.jit
-def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Hq, Hkv, Sq, Sk, D, scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, Hq, Hkv, Sq, Sk, D, scale, CAUSAL: tl.constexpr,
+                PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)

@@ -161,7 +161,8 @@ def _(x, weight, eps):
 @torch.library.custom_op("mxgraph::add_rmsnorm", mutates_args=())
 def add_rmsnorm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
     """Returns ``(y, new_residual, rstd)`` with ``new_residual = x + residual``."""
-    return _common.contiguous_outputs((add_rmsnorm_triton if _use(x) else add_rmsnorm_reference)(x, residual, weight, eps))
+    fn = add_rmsnorm_triton if _use(x) else add_rmsnorm_reference
+    return _common.contiguous_outputs(fn(x, residual, weight, eps))
 
 
 @add_rmsnorm.register_fake

@@ -117,7 +117,8 @@ def swiglu_backward_triton(grad: Tensor, a: Tensor, b: Tensor, bias_a: Tensor | 
     has_bias = bias_a is not None
     block_r, block_c = _common.row_tiles(n)
     grid = (triton.cdiv(m, block_r), triton.cdiv(n, block_c))
-    parts = [_common.new_output((grid[0], n), dtype=torch.float32, device=a.device) for _ in range(2 if has_bias else 0)]
+    parts = [_common.new_output((grid[0], n), dtype=torch.float32, device=a.device)
+             for _ in range(2 if has_bias else 0)]
     if m and n:
         _common.on(_swiglu_bwd_kernel, a.device)[grid](
             grad, a, b, bias_a.contiguous() if has_bias else a, bias_b.contiguous() if has_bias else a, da, db,
