@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
-from mxgraph.passes.pipeline import ALL_PASSES, PIPELINE, check_pass_names
+from mxgraph.passes.pipeline import ALL_PASSES, EVAL_PIPELINE, PIPELINE, check_pass_names
 from mxgraph.passes.runner import PassSpec, run_pass, run_step
 from mxgraph.passes.steps import Compilation
 from mxgraph.plan import Plan, require_built
@@ -50,14 +50,15 @@ def build_schedule_for(plan: Plan):
 def compile_step(model: torch.nn.Module, plan: Plan, mesh: Mesh, ctx: CompileContext,
                  args: tuple, kwargs: dict, layouts: dict | None = None,
                  stop_after: str | None = None,
-                 after: dict[str, Callable[[Compilation], None]] | None = None
-                 ) -> Compilation:
+                 after: dict[str, Callable[[Compilation], None]] | None = None,
+                 training: bool = True) -> Compilation:
     """Compile this rank's part of `model`'s training step for inputs like `args`,
     `kwargs` (the whole batch: the first of `plan.micro_batches` chunks is traced).
     `layouts`: name -> `ParamLayout` of parameters earlier compiles cut (updated in
     place). `stop_after`: the name of the last step to run (`PIPELINE`). `after`: step
     name -> a function called with the compilation right after that step (an analysis
-    that looks between two passes, as the memory estimator does)."""
+    that looks between two passes, as the memory estimator does). `training=False`: a
+    forward-only compile in eval mode (`EVAL_PIPELINE`), for evaluation."""
     after = after or {}
     for name in ([stop_after] if stop_after else []) + list(after):
         if name not in ALL_PASSES:
@@ -67,8 +68,8 @@ def compile_step(model: torch.nn.Module, plan: Plan, mesh: Mesh, ctx: CompileCon
     first_args, first_kwargs = pytree.tree_unflatten(
         split_microbatches(leaves, plan.micro_batches)[0], spec)
     compilation = Compilation(model, mesh, first_args, first_kwargs, build_schedule_for(plan),
-                              layouts if layouts is not None else {})
-    for step in PIPELINE:
+                              training, layouts if layouts is not None else {})
+    for step in PIPELINE if training else EVAL_PIPELINE:
         run(step, compilation, ctx)
         if step.name in after:
             after[step.name](compilation)

@@ -48,6 +48,10 @@ class TrainingStep(Protocol):
     def prepare(self, *args, **kwargs) -> None:
         """Compile for these inputs' signature without running a step."""
 
+    def eval_loss(self, *args, **kwargs) -> torch.Tensor:
+        """The loss of these inputs without gradients, the model in eval mode (every
+        layout: the step's own sharded parameters, never the eager model)."""
+
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """What the optimizer updates on this rank."""
 
@@ -78,6 +82,8 @@ class Step:
         """This rank's mesh; `Mesh.on_paper(...)` compiles for many ranks without running
         (see `mxgraph.comm.comm_report`)."""
         self._compiled: dict[tuple, PipelineExecutor] = {}
+        self._evaluators: dict[tuple, PipelineExecutor] = {}
+        """Forward-only executors (`eval_loss`), by input signature."""
         self.contexts: list[CompileContext] = []
         """One per compiled input signature: the pass records (and dump dir)."""
         self.layouts: dict[str, ParamLayout] = {}
@@ -88,18 +94,28 @@ class Step:
         (runtime/data_parallel.py)."""
 
     def parameters(self):
-        """The parameters this rank updates (on one device: the model's own). Compiles
-        nothing: with pp > 1 it is the parameters of this rank's stages, known after the
-        first call; before it, all of the model's.
+        """The parameters this rank updates, final as soon as `mx.compile` returns: build
+        the optimizer on them right away.
 
-        With `Plan(zero1=True)`: this rank's flat shards, one `nn.Parameter` per gradient
-        bucket (named "zero1.bucket<i>"), whose `.grad` the step fills, while the model's
-        parameters keep `.grad = None`; they exist after the first call or `prepare()`
-        (PlanError before). Build the optimizer on them as usual: its state is sharded.
+        * One device, dp, cp: the model's own parameters.
+        * tp, ep: the model's own parameter objects; the first compile cuts each one the
+          passes split to this rank's part in place (same tensor objects, new `.data`), so
+          an optimizer built before the first step updates what the step uses.
+        * pp > 1: this rank's stages' parameters; `zero1`: this rank's flat shards, one
+          `nn.Parameter` per gradient bucket (named "zero1.bucket<i>"), whose `.grad` the
+          step fills while the model's parameters keep `.grad = None` (the optimizer's
+          state is then sharded). Both need the graph: pass `example=(batch...)` to
+          `mx.compile` (or call `prepare(*batch)` first); PlanError otherwise.
         """
         return (p for _, p in self.named_parameters())
 
     def named_parameters(self):
+        if not self._compiled and (self.plan.zero1 or self.plan.pp > 1):
+            what = "zero1 lays the optimizer's shards out" if self.plan.zero1 else \
+                "pp > 1 gives each rank its stages' parameters"
+            raise PlanError(f"{what} over the compiled graph: pass example=(a batch, as "
+                            "the step takes it) to mxgraph.compile, or call "
+                            "step.prepare(*batch) before step.parameters()")
         if self.plan.zero1:
             return self._data_parallel().named_shards()
         return iter(self.model_parameters())
@@ -143,23 +159,44 @@ class Step:
                                                 self.plan.micro_batches))
         return self._reduce_data_parallel(loss)
 
+    def eval_loss(self, *args, **kwargs) -> torch.Tensor:
+        """The loss of these inputs, the model in eval mode, no gradients (compiled once
+        per signature, forward only): validation on every layout (the mean over the
+        data-parallel ranks, as the training step's loss)."""
+        key = _signature(args, kwargs)
+        if key not in self._evaluators:
+            self._evaluators[key] = self._compile(args, kwargs, training=False)
+        self.sync_parameters()
+        loss = self._evaluators[key].step(split_microbatches(flat_inputs(args, kwargs),
+                                                           self.plan.micro_batches),
+                                        training=False)
+        dp = self.mesh.sizes["dp"]
+        if dp > 1:
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.mesh.group("dp"))
+            loss = loss / dp
+        return loss
+
     def prepare(self, *args, **kwargs) -> None:
         """Compile for these inputs' signature without running a step (after this,
         `parameters()` lists exactly this rank's parameters)."""
         key = _signature(args, kwargs)
-        if key in self._compiled:
-            return
-        tag = f"sig{len(self._compiled)}" if self._compiled else ""
+        if key not in self._compiled:
+            self._compiled[key] = self._compile(args, kwargs, training=True)
+
+    def _compile(self, args, kwargs, training: bool) -> PipelineExecutor:
+        count = len(self.contexts)
+        tag = (f"sig{count}" if count else "") + ("" if training else "_eval")
         ctx = CompileContext.for_plan(self.plan, tag, self.mesh)
         self.contexts.append(ctx)
         compilation = compile_step(self.model, self.plan, self.mesh, ctx, args, kwargs,
-                                   self.layouts)
-        self._compiled[key] = compilation.executor
-        if ctx.dump_dir is not None:  # comm.txt: mxgraph.comm's table
-            buckets = bucket_layout(self.model_parameters(), self.layouts,
+                                   self.layouts, training=training)
+        if training and ctx.dump_dir is not None:  # comm.txt: mxgraph.comm's table
+            buckets = bucket_layout(compilation.executor.model_parameters(), self.layouts,
                                     self.plan, self.mesh)
             write_comm_dump(report_of(compilation.executor, buckets, self.plan.zero1),
                             ctx.dump_dir)
+        return compilation.executor
 
     def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
         """Average loss and gradients over the data-parallel group, gradients summed over

@@ -58,6 +58,9 @@ class AdaptiveMoEStep:
         for step in self.variants.values():
             step.prepare(*args, **kwargs)
 
+    def eval_loss(self, *args, **kwargs) -> torch.Tensor:
+        return self.variants["fast"].eval_loss(*args, **kwargs)
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return self.last.clip_grad_norm_(max_norm)
 

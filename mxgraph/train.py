@@ -177,8 +177,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         checkpointer.close()
     if not cfg.eager:
         step_fn.sync_parameters()  # zero1: the last update is still in the shards
-    sharded = not cfg.eager and (plan.tp > 1 or plan.pp > 1)
-    val_loss = evaluate(step_fn if sharded else model, val_tokens, cfg)
+    val_loss = evaluate(step_fn, val_tokens, cfg)
     done = max(1, cfg.steps - start_step)
     return {"train_loss": loss_value, "val_loss": val_loss, "seconds": seconds,
             "tokens_per_s": done * cfg.batch_size * cfg.seq_len / seconds,
@@ -205,11 +204,9 @@ def _apply(state: dict, named: dict, optimizer):
 
 
 def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig) -> float:
-    """Mean loss (nats per token) over `cfg.val_batches` fixed validation batches.
-
-    An eager model is evaluated in eval mode without gradients. A compiled step whose
-    parameters are sharded (tp or pp > 1) is the only thing that can compute the loss, so
-    it runs its training step and the gradients are dropped (dropout stays active)."""
+    """Mean loss (nats per token) over `cfg.val_batches` fixed validation batches, in eval
+    mode without gradients: an eager model itself, a compiled step through its own
+    forward-only compile (`eval_loss`: every layout, on the step's own parameters)."""
     batches = Batches(val_tokens, cfg.batch_size, cfg.seq_len, seed=12345)
     if isinstance(step_or_model, torch.nn.Module):
         model = step_or_model
@@ -219,9 +216,5 @@ def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig) -> float:
             losses = [model(*batches.next()).item() for _ in range(cfg.val_batches)]
         model.train(was_training)
         return float(np.mean(losses))
-    losses = []
-    for _ in range(cfg.val_batches):
-        losses.append(step_or_model(*batches.next()).item())
-        for param in step_or_model.parameters():
-            param.grad = None
-    return float(np.mean(losses))
+    return float(np.mean([step_or_model.eval_loss(*batches.next()).item()
+                          for _ in range(cfg.val_batches)]))

@@ -27,16 +27,19 @@ LLAMA = "llama-tiny"
 MODEL_KWARGS = {"moe-tiny": dict(expert_impl="grouped_mm")}  # the loop form traces slowly
 
 
-def check_models(rank, world, cases):
+def check_models(rank, world, cases, lr=1e-2):
     """check_plan for several (model, plan, model_kwargs) in the same processes."""
     for model_name, plan_kwargs, model_kwargs in cases:
-        check_plan(rank, world, model_name, plan_kwargs, model_kwargs=model_kwargs)
+        check_plan(rank, world, model_name, plan_kwargs, model_kwargs=model_kwargs, lr=lr)
 
 
 @pytest.mark.parametrize("model_name", ["llama-tiny", "gpt-tiny", "moe-tiny"])
 def test_tp2_sequence_parallel(model_name):
+    # MoE at lr 1e-3, as test_pipeline_exec.test_tp2: at 1e-2 AdamW turns summation-order
+    # differences (gradients agree to 1e-6) into a different top-k choice for some token
     run_ranks(2, check_models, [(model_name, dict(tp=2, sequence_parallel=True),
-                                 MODEL_KWARGS.get(model_name))])
+                                 MODEL_KWARGS.get(model_name))],
+              1e-3 if model_name == "moe-tiny" else 1e-2)
 
 
 @pytest.mark.parametrize("model_name", ["llama-tiny", "gpt-tiny", "moe-tiny"])

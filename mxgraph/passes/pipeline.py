@@ -20,8 +20,8 @@ from mxgraph.passes.runner import PassSpec
 from mxgraph.passes.shard_ep import shard_ep_pass
 from mxgraph.passes.shard_cp import shard_cp_pass
 from mxgraph.passes.shard_tp import shard_tp_pass
-from mxgraph.passes.steps import (capture_step, codegen_step, grad_step, shard_parameters_step,
-                                  split_bw_step, split_stages_step)
+from mxgraph.passes.steps import (capture_step, codegen_step, forward_programs_step, grad_step,
+                                  shard_parameters_step, split_bw_step, split_stages_step)
 
 FORWARD_PASSES = [
     PassSpec("remove_noop", remove_noop_pass, "forward",
@@ -71,7 +71,15 @@ PIPELINE = [
              "last: Python code for each program, and this rank's executor"),
 ]
 
-ALL_PASSES = {spec.name: spec for spec in PIPELINE}
+EVAL_PIPELINE = [spec for spec in PIPELINE if spec.phase != "joint" and spec.name not in (
+    "grad", "split_bw", "codegen")] + [
+    PassSpec("forward_programs", forward_programs_step, "step",
+             "evaluation: each stage's forward graph is its program (no backward)"),
+    PIPELINE[-1],  # codegen
+]
+"""A forward-only compile (`Step.eval_loss`): the model in eval mode, no backward."""
+
+ALL_PASSES = {spec.name: spec for spec in PIPELINE + EVAL_PIPELINE}
 
 
 def check_pass_names(names) -> None:

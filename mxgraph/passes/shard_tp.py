@@ -65,6 +65,7 @@ class TensorSharder(Sharder):
             return self.params[weight] == placement
         ok = all(_reads_as_matrix(u, weight, placement.dim) for u in weight.users)
         size = self.full(weight)[placement.dim] if ok else 0
+        ok = ok and size >= self.axis.size  # a dim smaller than tp (a scalar gate): whole
         if ok and size % self.axis.size:
             module = (user.meta.get("custom") or {}).get("module") or "<top>"
             raise PlanError(
@@ -81,17 +82,24 @@ class TensorSharder(Sharder):
         gate/up): the weight is split block by block, so every piece stays a shard."""
         x = node.args[0]
         source = x
-        while source.op == "call_function" and source.target in COPY_LIKE_OPS:
+        while source.op == "call_function" and (source.target in COPY_LIKE_OPS or (
+                source.target in VIEW_OPS and  # [b*s, 3h] -> [b, s, 3h]: the features stay
+                self.full(source)[-1] == self.full(source.args[0])[-1])):
             source = source.args[0]
         count = len(node.meta["val"])
         along = schema_arg(node, "dim", 0) % self.ndim(x)
-        if not (source.op == "call_function" and source.target is aten.linear.default and
+        matmuls = (aten.linear.default, aten.addmm.default, aten.mm.default)
+        if not (source.op == "call_function" and source.target in matmuls and
                 node.target is not aten.unbind.int and along == self.ndim(x) - 1):
             return self.gather_all(node, "a split along the sharded dim")
-        params = [p for p in source.args[1:3] if p is not None]
+        if source.target is aten.linear.default:
+            params = [p for p in source.args[1:3] if p is not None]
+        else:  # addmm(bias, x, W) / mm(x, W)
+            params = [source.args[-1]] + ([source.args[0]] if source.target is
+                                          aten.addmm.default else [])
         sizes = [t.shape[along] for t in node.meta["val"]]
         if any(size % self.axis.size for size in sizes) or any(
-                self.params.get(p) != Shard(0) or len(p.users) != 1 for p in params):
+                not isinstance(self.params.get(p), Shard) or len(p.users) != 1 for p in params):
             return self.gather_all(node, "a split along the sharded dim")
         for param in params:
             self.blocks[param] = sizes
@@ -106,6 +114,8 @@ def _reads_as_matrix(user: Node, param: Node, dim: int) -> bool:
     if user.target is aten.linear.default:
         return user.args[1] is param
     if user.target in (aten.mm.default, aten.addmm.default):
+        if user.target is aten.addmm.default and user.args[0] is param:  # the bias
+            return param.meta["val"].dim() == 1 and dim == 0
         return user.args[-1] is param and param.meta["val"].dim() == 2
     return user.target is aten.embedding.default and user.args[0] is param and dim == 0
 

@@ -55,7 +55,7 @@ def _summed(s, node: Node, value) -> Node:
 
 
 # ---- shape ops --------------------------------------------------------------------------
-@COMMON.register(*VIEW_OPS)
+@COMMON.register(*VIEW_OPS, aten.flatten.using_ints)
 def view_rule(s, node: Node):
     x = node.args[0]
     have = s.of(x)
@@ -71,16 +71,17 @@ def view_rule(s, node: Node):
             raise _indivisible(s, node, full_out[lead], f"{full_in} -> {full_out}")
         return s.gather_all(node, f"a view {full_in} -> {full_out} mixes the shard of dim "
                                   f"{have.dim} with other elements")
-    local = list(full_out)
-    local[out.dim] //= s.axis.size
-    node.args = (x, local) + tuple(node.args[2:])
+    if node.target in VIEW_OPS:  # sizes are arguments: this rank's (flatten has none)
+        local = list(full_out)
+        local[out.dim] //= s.axis.size
+        node.args = (x, local) + tuple(node.args[2:])
     return out
 
 
 def _indivisible(s, node: Node, size: int, what: str):
     from mxgraph.errors import PlanError
     module = (node.meta.get("custom") or {}).get("module") or "<top>"
-    return PlanError(f"{s.axis.name}={s.axis.size} cannot split {what} at {module} "
+    return PlanError(f"{s.axis.name}={s.axis.size} cannot shard {what} at {module} "
                      f"({node.target}) along a dim of size {size}: choose {s.axis.name} in "
                      f"{divisors(size)} (e.g. {s.axis.name} must divide the number of heads "
                      f"and KV heads, the FFN width, the vocabulary and the sequence)")
@@ -250,7 +251,8 @@ def reduction_rule(s, node: Node):
     return P
 
 
-@COMMON.register(aten._softmax.default, aten._log_softmax.default, aten.cumsum.default)
+@COMMON.register(aten._softmax.default, aten._log_softmax.default, aten.softmax.int,
+                 aten.log_softmax.int, aten.cumsum.default)
 def along_dim_rule(s, node: Node):
     x, dim = node.args[0], node.args[1] % s.ndim(node.args[0])
     shard = _shard_of(s, _summed(s, node, x))

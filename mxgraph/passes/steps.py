@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.fx import Graph, GraphModule
 
 from mxgraph.capture import (ForwardGraph, capture, model_tensors, slot_tensor,
                              whole_parameters)
@@ -24,7 +25,7 @@ from mxgraph.passes.split_stages import StageGraph, split_stages
 from mxgraph.runtime.mesh import Mesh
 from mxgraph.runtime.param_layout import ParamLayout, materialize
 from mxgraph.runtime.pipeline import PipelineExecutor, StageRuntime
-from mxgraph.runtime.programs import StagePrograms
+from mxgraph.runtime.programs import Program, StagePrograms
 from mxgraph.schedules import Schedule
 
 
@@ -38,6 +39,8 @@ class Compilation:
     kwargs: dict
     """One micro-batch of the user's inputs (what is traced)."""
     schedule: Schedule
+    training: bool = True
+    """False: a forward-only compile for evaluation (the model in eval mode, no backward)."""
     layouts: dict[str, ParamLayout] = field(default_factory=dict)
     """Parameter name (every alias) -> its split (filled by `shard_parameters`; shared
     with the step, so a later compile knows what an earlier one cut)."""
@@ -61,8 +64,13 @@ class Compilation:
 def capture_step(c: Compilation, ctx: CompileContext):
     """Trace the model on one micro-batch (a sharded model is traced at its whole shapes,
     so a new input signature shards the graph as the first one did)."""
-    with whole_parameters(c.model, c.mesh, c.layouts):
-        c.forward = capture(c.model, c.args, c.kwargs)
+    was_training = c.model.training
+    c.model.train(c.training)
+    try:
+        with whole_parameters(c.model, c.mesh, c.layouts):
+            c.forward = capture(c.model, c.args, c.kwargs)
+    finally:
+        c.model.train(was_training)
     return [("forward", c.forward.gm)]
 
 
@@ -126,16 +134,34 @@ def split_bw_step(c: Compilation, ctx: CompileContext):
     return _program_graphs(c)
 
 
+def forward_programs_step(c: Compilation, ctx: CompileContext):
+    """Evaluation: each of this rank's stages' forward graph is its F program (no B, W)."""
+    for stage in c.my_stages():
+        gm = c.stage_graphs[stage].forward.gm
+        placeholders = list(gm.graph.find_nodes(op="placeholder"))
+        outputs = list(gm.graph.find_nodes(op="output")[0].args[0])
+        c.programs[stage] = StagePrograms(Program(gm, placeholders, outputs), _empty(gm),
+                                          _empty(gm), placeholders, outputs, {}, [])
+    return _program_graphs(c)
+
+
+def _empty(root: GraphModule) -> Program:
+    graph = Graph()
+    graph.output(())
+    return Program(GraphModule(root, graph), [], [])
+
+
 def codegen_step(c: Compilation, ctx: CompileContext):
     """Generate each program's Python code and build this rank's executor."""
     c.source = generate(c.programs, ctx.plan, ctx.dump_dir)
     runtimes = {}
     for stage, programs in c.programs.items():
-        graph, joint = c.stage_graphs[stage], c.joints[stage]
+        graph, joint = c.stage_graphs[stage], c.joints.get(stage)
         placeholders = graph.forward.gm.graph.find_nodes(op="placeholder")
         outputs = graph.forward.gm.graph.find_nodes(op="output")[0].args[0]
         runtimes[stage] = StageRuntime(
-            programs=programs, slots=joint.inputs, num_activations=graph.num_activations,
+            programs=programs, slots=joint.inputs if joint else graph.forward.slots,
+            num_activations=graph.num_activations,
             user_inputs=graph.user_inputs,
             activation_meta=[n.meta["val"] for n, s in zip(placeholders, graph.forward.slots)
                              if s.kind == "input" and s.key < graph.num_activations],

@@ -58,7 +58,8 @@ def materialize(model: torch.nn.Module, layouts: dict[str, ParamLayout],
     tied aliases share the tensor (cut once)."""
     for name, param in model.named_parameters(remove_duplicate=False):
         layout = layouts.get(name)
-        if layout is None or not layout.sharded or list(param.shape) == local_shapes[name]:
+        local = local_shapes.get(name)
+        if layout is None or local is None or not layout.sharded or list(param.shape) == local:
             continue
         with torch.no_grad():
             param.data = layout.shard(param.data, mesh.sizes, mesh.coords).clone()

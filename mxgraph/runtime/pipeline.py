@@ -205,10 +205,20 @@ class PipelineExecutor:
             self.recv(run, kind, stage, mb)
 
     # ---- one step ---------------------------------------------------------------------
-    def step(self, microbatches: list[list]) -> torch.Tensor:
+    def step(self, microbatches: list[list], training: bool = True) -> torch.Tensor:
+        """One step over `microbatches`; the mean loss. `training=False` runs only the
+        forward actions of the schedule (and their sends), for an executor compiled
+        without gradients (`evaluate`)."""
         run = PipelineRun(microbatches)
         for action in self.schedule.actions[self.mesh.coords["pp"]]:
-            self.do(run, action)
+            if training:
+                self.do(run, action)
+                continue
+            for part in action.compute_parts() or (action,):
+                if part.kind in (F, SEND_F, RECV_F):
+                    self.do(run, part)
+                    if part.kind == F:
+                        run.env.pop((part.stage, part.microbatch), None)
         for work in run.sends:
             work.wait()
         loss = torch.stack([run.losses[m] for m in sorted(run.losses)]).mean() \
@@ -217,7 +227,8 @@ class PipelineExecutor:
             loss = loss.detach().clone()
             dist.broadcast(loss, self._peer(self.schedule.num_stages - 1),
                            group=self.mesh.group("pp"))
-            self._sum_shared_grads()
+            if training:
+                self._sum_shared_grads()
         return loss.detach()
 
     def _sum_shared_grads(self) -> None:
