@@ -138,6 +138,8 @@ def _train(args) -> int:
         print(f"train loss {result['train_loss']:.4f} | validation loss "
               f"{result['val_loss']:.4f} nats/token | {result['tokens_per_s']:,.0f} tokens/s | "
               f"{result['seconds']:.1f} s")
+    from mxgraph.runtime.launch import close_process_group
+    close_process_group()  # under torchrun: every rank ends its groups before exiting
     return 0
 
 

@@ -1,6 +1,7 @@
 """Run a function on N gloo processes (torch.multiprocessing) and fail if any rank fails."""
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import traceback
@@ -25,7 +26,11 @@ def _worker(rank, world, port, fn, args, errors):
         fn(rank, world, *args)
     except BaseException:  # noqa: BLE001 - reported to the parent
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
+        dist.destroy_process_group()  # a peer may be gone: no barrier
         raise
+    try:  # no rank tears its connections down while a peer still reads: then no gloo
+        # thread or pending work outlives the process (which aborted it at exit, now and then)
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     finally:
         dist.destroy_process_group()
 

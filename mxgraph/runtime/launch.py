@@ -27,3 +27,14 @@ def init_from_environment() -> None:
         init_restartable_process_group("nccl")
     else:
         init_restartable_process_group("gloo")
+
+
+def close_process_group() -> None:
+    """End the default process group (and every subgroup) deterministically: a barrier, so
+    that no rank tears its connections down while a peer still reads from them, then
+    `destroy_process_group`, so that no gloo worker thread or pending work outlives the
+    interpreter (at exit they abort the process: "terminate called without an active
+    exception"). Nothing to do without a group."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
