@@ -11,7 +11,7 @@ import torch.nn.functional as F  # noqa: E402
 from hypothesis import Phase, example, given, settings, strategies as st  # noqa: E402
 
 from mxgraph.codegen.kernels import bias_gelu as K  # noqa: E402
-from mxgraph.codegen.kernels._testing import assert_close, opcheck  # noqa: E402
+from tests.kernel_testing import assert_close, opcheck  # noqa: E402
 
 # no shrinking: a failing example is reported as drawn (the interpreter is too slow to shrink)
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
