@@ -69,20 +69,25 @@ def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_
             param.requires_grad_(False)    # in exact arithmetic, rounding noise in fp32
     reference = copy.deepcopy(model)
     plan = mx.Plan(**plan_kwargs)
-    step = mx.compile(model, plan)
-    dp, dp_rank = step.mesh.sizes["dp"], step.mesh.coords["dp"]
+    dp = plan.resolve_dp(world)
+    dp_rank = (rank // (plan.tp * plan.cp)) % dp  # the mesh's order: pp, dp, cp, tp
     g = torch.Generator().manual_seed(1)
-    opt = ref_opt = None
-    for i in range(steps):
-        tokens = torch.randint(0, 256, (batch_size * dp, seq_len), generator=g)
-        targets = torch.randint(0, 256, (batch_size * dp, seq_len), generator=g)
-        mine = slice(dp_rank * batch_size, (dp_rank + 1) * batch_size)
+    batches = [(torch.randint(0, 256, (batch_size * dp, seq_len), generator=g),
+                torch.randint(0, 256, (batch_size * dp, seq_len), generator=g))
+               for _ in range(steps)]
+    mine = slice(dp_rank * batch_size, (dp_rank + 1) * batch_size)
+    # the README's order: the optimizer on step.parameters() right after mx.compile (an
+    # example batch only where the parameters need the graph: pipeline stages, ZeRO-1)
+    needs_graph = plan.pp > 1 or plan.zero1
+    example = (batches[0][0][mine], batches[0][1][mine]) if needs_graph else None
+    step = mx.compile(model, plan, example=example)
+    assert step.mesh.coords["dp"] == dp_rank
+    # eps=1e-6: some gradients are mathematically zero (a key bias under softmax) and are
+    # pure rounding noise; Adam's default eps turns noise into full steps.
+    opt = torch.optim.AdamW(step.parameters(), lr=lr, eps=1e-6)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=1e-6)
+    for i, (tokens, targets) in enumerate(batches):
         loss = step(tokens[mine], targets[mine])
-        if opt is None:
-            # eps=1e-6: some gradients are mathematically zero (a key bias under softmax)
-            # and are pure rounding noise; Adam's default eps turns noise into full steps.
-            opt = torch.optim.AdamW(step.parameters(), lr=lr, eps=1e-6)
-            ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=1e-6)
         reference.zero_grad()
         # eager autograd over the same micro-batches of the global batch, accumulated
         # (Adam amplifies reduction-order noise in near-zero gradients otherwise)
