@@ -17,6 +17,7 @@ from torch.fx import Graph, GraphModule
 from mxgraph.capture import ForwardGraph, capture, model_tensors, slot_tensor
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
+from mxgraph.ir import ancestors
 from mxgraph.joint import build_joint
 from mxgraph.passes.fuse import fused_counts
 from mxgraph.passes.pipeline import FORWARD_PASSES, JOINT_PASSES
@@ -92,18 +93,35 @@ def assert_equal_outputs(got, expected):
         assert torch.equal(a, b), f"output {i} differs: max |diff| {(a - b).abs().max()}"
 
 
-class MLP(nn.Module):
-    """x -> linear(W1) -> relu -> linear(W2) [-> `tail`] -> sum."""
+class Block(nn.Module):
+    """x -> linear(W1) -> relu -> linear(W2)."""
 
-    def __init__(self, tail=None):
+    def __init__(self):
         super().__init__()
         self.w1 = nn.Linear(8, 16, bias=False)
         self.w2 = nn.Linear(16, 8, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class MLP(nn.Module):
+    """A `Block`, then the sum; `tail="residual"`: x + block(x) through a second block first;
+    `tail="flip"`: the block's output flipped first (aten.flip has no sharding rule)."""
+
+    def __init__(self, tail: str = ""):
+        super().__init__()
+        self.block = Block()
+        self.second = Block() if tail == "residual" else None
         self.tail = tail
 
     def forward(self, x):
-        y = self.w2(torch.relu(self.w1(x)))
-        return (self.tail(x, y) if self.tail else y).sum()
+        y = self.block(x)
+        if self.tail == "residual":
+            y = self.second(x + y)
+        elif self.tail == "flip":
+            y = torch.flip(y, [-1])
+        return y.sum()
 
 
 def x_bsh():
@@ -184,6 +202,7 @@ def shape(node) -> tuple:
 def test_shard_tp_column_then_row_parallel():
     gm = capture(MLP(), (x_bsh(),), {}).gm
     result, ctx = run("shard_tp", gm, Plan(tp=2), TP2)
+    assert result is gm
     w1, w2, x = gm.graph.find_nodes(op="placeholder")
     assert (w1.meta["tp_shard_dim"], w2.meta["tp_shard_dim"]) == (0, 1)
     assert (shape(w1), shape(w2)) == ((8, 8), (8, 8))  # [16, 8] and [8, 16], halved
@@ -193,28 +212,22 @@ def test_shard_tp_column_then_row_parallel():
     assert copy.args[0] is x and first.args[0] is copy
     (reduce,) = calls(gm, mx.tp_all_reduce.default)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    assert order[reduce] > order[second] and second in _ancestors(reduce)
+    assert order[reduce] > order[second] and second in ancestors([reduce])
     assert gm.graph.find_nodes(op="output")[0].args[0] == (reduce,)
     assert not calls(gm, mx.sp_all_gather.default) and not calls(gm, mx.sp_reduce_scatter.default)
     assert ctx.records[-1]["finding_lines"] == []
-
-
-def _ancestors(node) -> set:
-    from mxgraph.ir import ancestors
-    return ancestors([node])
 
 
 def test_shard_tp_sequence_parallel_gathers_before_and_scatters_after():
     """Two MLP blocks with a residual add between them: the first block's partial output is
     reduce-scattered along the sequence, the add runs on sequence shards (x sliced), and the
     second block's input is all-gathered."""
-    model = MLP(tail=lambda x, y: _second_block(model, x + y))
-    gm = capture(model, (x_bsh(),), {}).gm
+    gm = capture(MLP("residual"), (x_bsh(),), {}).gm
     run("shard_tp", gm, Plan(tp=2, sequence_parallel=True), TP2)
     (scatter,) = calls(gm, mx.sp_reduce_scatter.default)
     (gather,) = calls(gm, mx.sp_all_gather.default)
     (add,) = calls(gm, aten.add.Tensor)
-    first, second, third, fourth = calls(gm, aten.linear.default)
+    _, second, third, _ = calls(gm, aten.linear.default)
     assert scatter.args[:2] == (second, 1) and gather.args[1] == 1  # along the sequence
     assert scatter in add.args and gather.args[0] is add and third.args[0] is gather
     assert shape(add) == (2, 2, 8)  # [b, s/tp, h]
@@ -223,22 +236,39 @@ def test_shard_tp_sequence_parallel_gathers_before_and_scatters_after():
     assert len(calls(gm, mx.tp_all_reduce.default)) == 1  # the loss only
 
 
-def _second_block(model, h):
-    return model.w2(torch.relu(model.w1(h)))
-
-
 def test_shard_tp_op_without_rule_is_a_finding_and_strict_raises():
-    def flip(x, y):
-        return torch.flip(y, [-1])  # aten.flip has no sharding rule; y is partial here
-    gm = capture(MLP(tail=flip), (x_bsh(),), {}).gm
+    gm = capture(MLP("flip"), (x_bsh(),), {}).gm  # the flip reads the partial block output
     _, ctx = run("shard_tp", gm, Plan(tp=2), TP2)
     (finding,) = ctx.records[-1]["finding_lines"]
     assert "aten::flip" in finding and "no sharding rule" in finding
     (reduce,) = calls(gm, mx.tp_all_reduce.default)
     assert calls(gm, aten.flip.default)[0].args[0] is reduce  # gathered before the flip
-    gm = capture(MLP(tail=flip), (x_bsh(),), {}).gm
+    gm = capture(MLP("flip"), (x_bsh(),), {}).gm
     with pytest.raises(PlanError, match="strict_sharding: aten::flip"):
         run("shard_tp", gm, Plan(tp=2, strict_sharding=True), TP2)
+
+
+class FlipInside(nn.Module):
+    """relu(x W1^T) flipped along its features before W2: the column shard cannot pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+
+    def forward(self, x):
+        return self.block.w2(torch.flip(torch.relu(self.block.w1(x)), [-1])).sum()
+
+
+def test_shard_tp_keeps_a_weight_whole_whose_shard_would_only_be_gathered():
+    """The module docstring: a column-parallel weight whose shard reaches a gather stays
+    replicated (found in a trial run), so nothing is gathered and nothing is a finding."""
+    gm = capture(FlipInside(), (x_bsh(),), {}).gm
+    _, ctx = run("shard_tp", gm, Plan(tp=2), TP2)
+    w1 = gm.graph.find_nodes(op="placeholder")[0]
+    assert "tp_shard_dim" not in w1.meta and shape(w1) == (16, 8)
+    (flip,) = calls(gm, aten.flip.default)
+    assert flip.args[0].target is aten.relu.default  # no gather in front of it
+    assert ctx.records[-1]["finding_lines"] == []
 
 
 @pytest.mark.parametrize("mesh", [None, Mesh.on_paper()], ids=["one-device", "tp1"])
@@ -285,7 +315,7 @@ def test_shard_cp_cuts_inputs_gathers_kv_masks_and_replicates_the_loss():
     assert mask.target is aten.ge.Tensor and shape(mask) == (4, 8)  # my queries x all keys
     assert attn.args[5] is False and not attn.kwargs.get("is_causal", False)
     rows = mask.args[0]
-    assert any(n.target is mx.cp_chunk.default for n in _ancestors(rows))  # my positions
+    assert any(n.target is mx.cp_chunk.default for n in ancestors([rows]))  # my positions
     (out,) = gm.graph.find_nodes(op="output")[0].args[0]
     assert out.target is mx.cp_replicated.default
     assert out.args[0].target is mx.cp_all_reduce.default  # the mean over the sequence
@@ -325,6 +355,8 @@ def test_fuse_swiglu_is_one_op_and_bitwise_equal():
     gm = forward.gm
     values = forward_inputs(model, forward, (x,))
     expected = evaluate(gm, values)
+    (mul,) = calls(gm, aten.mul.Tensor)
+    module = mul.meta["custom"]["module"]
     result, _ = run("fuse", gm, Plan(fusion=True))
     assert result is gm
     assert fused_counts(gm) == {"swiglu": 1}
@@ -334,6 +366,7 @@ def test_fuse_swiglu_is_one_op_and_bitwise_equal():
     assert not calls(gm, aten.silu.default) and not calls(gm, aten.mul.Tensor)
     custom = fused.meta["custom"]
     assert "fused:swiglu" in custom["tags"] and set(custom["fused_from"]) == {"silu", "mul"}
+    assert custom["module"] == module and fused.meta["created_by"] == "fuse"  # provenance
     assert shape(fused) == (2, 4, 16)
     assert_equal_outputs(evaluate(gm, values), expected)
 
