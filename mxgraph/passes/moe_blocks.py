@@ -608,7 +608,8 @@ class _Finder:
         for params in own:
             for p in params:
                 readers[p] = readers.get(p, 0) + 1
-        own = [[p for p in params if readers[p] == 1] for params in own]
+        own = [sorted((p for p in params if readers[p] == 1), key=lambda p: min(
+            self.order[u] for u in p.users)) for params in own]  # in the order they are read
         weights = _weights((*expert_weight(w.args[0])[:1], w, expert_weight(w.args[0])[1])
                            for reads, _, _, _ in per_expert for w in reads)
         block = ExpertBlock("loop", num, weights, pieces=pieces, chains=chains,
@@ -625,8 +626,8 @@ class _Finder:
                 names = ", ".join(f"{p.meta.get('mx_slot_key', p.name)} "
                                   f"{list(p.meta['val'].shape)}" for p in own[0])
                 block.problem = Problem(
-                    next(iter(own[0][0].users)), f"expert 0 holds its weights as parameters "
-                    f"of its own ({names}), one module per expert",
+                    min(own[0][0].users, key=self.order.get), f"experts held as one module each (expert 0's "
+                    f"own parameters: {names})",
                     "ep needs each projection's expert weights stacked in one parameter "
                     "[E, ...] (as transformers' MoE experts hold them); stack them or set "
                     "ep=1")
