@@ -10,11 +10,11 @@ hand-built loop over the experts (torch.where selection, index_add_ combine) is 
 and forms expert parallelism cannot shard are refused by a PlanError that names the
 weights, the op and the module (Hugging Face models: tests/test_hf_expert_parallel.py).
 """
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-
-import functools
 
 import models
 import mxgraph as mx
@@ -22,10 +22,11 @@ import tests.test_pipeline_exec as pipeline_exec
 from mxgraph.capture import capture
 from mxgraph.context import CompileContext
 from mxgraph.driver import compile_step, fake_model
-from mxgraph.passes.shard_ep import shard_ep_pass
+from mxgraph.passes.shard_ep import shard_ep_pass, stable_toposort
 from mxgraph.runtime.mesh import Mesh
 from tests.distributed import run_ranks
 from tests.test_moe_blocks import HandMoE
+
 
 def check_ep(rank, world, model_name, plan_kwargs, steps=3, model_kwargs=None, lr=1e-2):
     pipeline_exec.check_plan(rank, world, model_name, plan_kwargs, steps,
@@ -142,3 +143,16 @@ def test_no_expert_block_is_refused():
         model = models.build_model("llama-tiny", n_layers=1)
     with pytest.raises(mx.PlanError, match=r"found no routed-MoE block .*; set ep=1$"):
         _paper_compile(model)
+
+
+def test_stable_toposort_moves_only_what_must_move():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.relu, (x,))
+    b = graph.call_function(torch.neg, (x,))
+    graph.output(graph.call_function(torch.add, (a, b)))
+    late = graph.call_function(torch.sin, (x,))  # created after the output, read by `a`
+    a.args = (late,)
+    stable_toposort(graph)
+    graph.lint()
+    assert [n.name for n in graph.nodes] == ["x", "neg", "sin", "relu", "add", "output"]

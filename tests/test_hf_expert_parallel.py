@@ -65,7 +65,9 @@ def check_readme_order(rank, world, make_model, plan_kwargs, steps=3, batch_size
             assert_like_reference(((n, p.grad, ref_params[n].grad, p)
                                    for n, p in step.named_parameters() if p.requires_grad), step,
                                   largest_norm(reference, "grad"), GRAD_TOL, "grad")
-        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
     ref_params = dict(reference.named_parameters())
     assert_like_reference(((n, p, ref_params[n], p) for n, p in step.named_parameters()), step,
                           largest_norm(reference), GRAD_TOL, f"after {steps} steps")

@@ -1,355 +1,159 @@
-"""Routed mixture-of-experts blocks of a forward graph, found by what they do.
+"""Routed mixture-of-experts blocks of a forward graph, found by what they do (the op sets
+and row-wise regions it walks: `moe_dataflow.py`).
 
-A routed-MoE block is a top-k over per-expert scores whose indices send rows (one per
-token and choice) to expert weights, the experts' computation on those rows, and a combine
-per token weighted by the scores. `find_expert_blocks(gm)` finds every block from dataflow
-and ops alone, starting from the expert weights: parameters stacked on an expert dim
-[E, ...] read per expert (a grouped GEMM with offsets, a gather by per-row expert id, a
-select of expert e, a batched GEMM over all experts), or each expert's own parameters read
-by that expert's rows only. Module and parameter names are read for messages only.
+A routed-MoE block: a top-k over per-expert scores whose indices send rows (one per token
+and choice) to expert weights, the experts' computation on those rows, and a combine per
+token weighted by the scores. `find_expert_blocks(gm)` finds every block from dataflow and
+ops alone, starting from the expert weights: parameters stacked on an expert dim [E, ...]
+read per expert (a grouped GEMM with offsets, a gather by per-row expert id, a select of
+expert e, a batched GEMM over all experts), or parameters of each expert's own read by
+that expert's rows only. Module and parameter names serve messages only.
 
-"Row-wise" below: ops that keep dim 0 as the row and compute each output row from the
-same input row (pointwise ops, casts, copies, views keeping dim 0, chunk/split/slice along
-another dim, norms over the last dims, matmuls with a weight that is not data). N rows,
-E experts.
+"Row-wise": ops that keep dim 0 as the row, each output row from the same input row
+(pointwise ops, casts, views keeping dim 0, chunk/split/slice along another dim, norms,
+matmuls with a weight that is no data). N rows, E experts. Matches:
 
-Matches:
-
-  grouped   offs = cumsum(counts) (through casts)      counts [E], any dtype (HF: histc)
-            G(X, W, offs) for each expert projection    G: mxgraph::grouped_mm (mxgraph's
-                                                        expert_impl="grouped_mm"),
-                                                        aten._grouped_mm (HF "grouped_mm"
-                                                        experts in bf16),
-                                                        transformers::grouped_mm_fallback
-                                                        (the same in fp32); W a parameter
-                                                        [E, ...] through views keeping dim 0
-            row-wise ops between, one exit Y [N, ...]   X [N, ...] sorted by expert
-  gathered  W[ids] (aten.index) per row, bmm/matmul     ids [N] per-row expert ids, rows in
-            with rows X [N, ...]; row-wise ops, exit Y  token order (HF "batched_mm":
-                                                        X = x.repeat_interleave(k)
-                                                        .unsqueeze(-1), W[ids] @ X); an
-                                                        expert bias B[ids] joins W
-  loop      rows of expert e, either                    counts [E]; mask_e a boolean mask
-              split_with_sizes(X, [item(counts[e])])[e] of expert e's (token, choice) slots
-              (mxgraph's expert_impl="loop"), or
-              x[t_e], t_e from where/nonzero(mask_e),   mask_e = select(M, 0, e) or
-              mask_e = select(M, 0, e) | eq(ids, e)     eq(ids, e): a loop over range(E)
-                                                        with index_add_/scatter_add_
-            expert e's row-wise chain reads select(W, 0, e) of stacked weights (or, held
-            as a list of modules, parameters of its own: found, not shardable); its output
-            goes into one cat (dim 0) in expert order (split) or to its own combine
+  grouped   offs = cumsum(counts [E]) (through casts; HF counts with histc);
+            G(X, W, offs) per projection, G one of mxgraph::grouped_mm (mxgraph's
+            expert_impl="grouped_mm"), aten._grouped_mm (HF "grouped_mm" experts in bf16),
+            transformers::grouped_mm_fallback (the same in fp32); W a parameter [E, ...]
+            through views keeping dim 0; X [N, ...] sorted by expert; row-wise ops between
+            the GEMMs; one exit Y [N, ...]
+  gathered  ids [N] per-row expert ids, rows in token order; W[ids] (aten.index) per row
+            into bmm/matmul with rows X [N, ...]; row-wise ops; one exit Y (HF
+            "batched_mm": X = x.repeat_interleave(k).unsqueeze(-1), bmm(W[ids], X)); an
+            expert bias B[ids] joins W
+  loop      expert e's rows are split_with_sizes(X, [item(counts[e]) ...])[e] (mxgraph's
+            expert_impl="loop") or x[t_e] with t_e a column of where/nonzero(mask_e),
+            mask_e = select(M, 0, e) or eq(ids, e) (a loop over range(E), combined by
+            index_add_/scatter_add_); expert e's row-wise chain reads select(W, 0, e) of
+            stacked weights (held as one module per expert: parameters of its own, found
+            and refused); its output goes into one cat (dim 0) in expert order (split) or
+            to its own combine (gather)
   capacity  bmm/baddbmm/matmul/einsum reading W [E, ...] whole: a padded [E, C, ...]
-            buffer per expert. Recognised so that it is refused by name: not dropless.
+            buffer per expert; recognised to be refused by name (not dropless)
 
-Each block also records the routing top-k (or argmax) its counts, ids or masks come from
-(None if none: not a routed block) and, where found, the combine (the first op after the
-exit that sums rows into tokens: index_add, scatter_add, a sum over the top-k dim). A
-match stopped partway is still a block, with `problem` naming the node that stopped it,
-why, and what would work. Hugging Face's "eager" experts (a loop over the data-dependent
-`expert_hit`) never reach a graph: torch.export refuses them.
-
-Rewrite to: see `shard_ep.py` (expert parallelism), the one user.
+Each block records its routing top-k (or argmax; None: not a routed block) and the
+combine (the first op after the exit that sums rows into tokens). A match stopped partway
+is still a block, its `problem` naming the node that stopped it, why, and what would
+work. HF's "eager" experts (a loop over the data-dependent `expert_hit`) never reach a
+graph: torch.export refuses them. Rewrite to: see `shard_ep.py`, the user.
 """
 from __future__ import annotations
 
-import heapq
 import operator
 from dataclasses import dataclass, field
 
 import torch
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from mxgraph.ir import CAST_OPS, CONVERT_OPS, COPY_LIKE_OPS, VIEW_OPS, op_name, packet
+from mxgraph.ir import CONVERT_OPS, VIEW_OPS, ancestors, descendants, packet
+from mxgraph.passes.moe_dataflow import (BATCHED_GEMMS, COMBINES, GROUPED_GEMMS, ROUTERS, SINKS,
+                                         WEIGHT_VIEWS, RowRegions, count_of, expert_weight,
+                                         grouped_args, is_dim0, is_grouped_gemm, is_param,
+                                         val_of, where)
 
 aten = torch.ops.aten
-
-GROUPED_GEMMS = frozenset({"mxgraph::grouped_mm", "aten::_grouped_mm",
-                           "transformers::grouped_mm_fallback"})
-"""Grouped GEMMs with offsets, by op name (`ir.op_name`): (rows, weights [E, I, O], offs)."""
-BATCHED_GEMMS = frozenset({aten.bmm.default, aten.baddbmm.default, aten.matmul.default,
-                           aten.einsum.default})
-"""Batched matmuls: over per-row gathered weights (gathered), or over experts (capacity)."""
-WEIGHT_VIEWS = COPY_LIKE_OPS | {aten.transpose.int, aten.permute.default}
-"""Ops between a stacked expert weight [E, ...] and its read that keep dim 0."""
-SINKS = frozenset({aten._assert_tensor_metadata.default})
-"""Ops that read a value and produce nothing (never an exit's user)."""
-ROUTERS = frozenset({aten.topk.default, aten.argmax.default, aten.max.dim})
-"""Ops whose indices route rows to experts (argmax and max: top-1)."""
-COMBINES = frozenset({aten.index_add.default, aten.index_add_.default,
-                      aten.scatter_add.default, aten.scatter_add_.default,
-                      aten.index_put.default, aten.index_put_.default,
-                      aten.scatter_reduce.two, aten.sum.dim_IntList})
-"""Ops that sum expert output rows into tokens."""
 _NONZERO = frozenset({aten.nonzero.default, aten.where.default, aten.argwhere.default,
                       aten.nonzero_numpy.default})
-_ROW_SPLITS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default,
-                         aten.slice.Tensor, aten.narrow.default, aten.select.int})
-_ROW_MATMULS = frozenset({aten.linear.default, aten.mm.default, aten.matmul.default})
-_NORMS = frozenset({aten.rms_norm.default, aten.layer_norm.default,
-                    aten.native_layer_norm.default})
-_ALONG_DIM = frozenset({aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
-                        aten._log_softmax.default})
+_DROPLESS = ("ep needs a dropless form (grouped GEMM with offsets, per-row gathered expert "
+             "weights, or a loop over experts); set ep=1")
 
 
 @dataclass
 class Problem:
-    """Why a block found cannot be sharded: the node that stopped the match, what it is,
-    and what would work."""
+    """Why a block cannot be sharded: the node that stopped the match, why, what works."""
 
     node: Node
     reason: str
-    remedy: str
+    remedy: str = _DROPLESS
 
 
 @dataclass
 class ExpertWeight:
-    """A parameter holding experts, and the nodes that read it per expert."""
+    """A parameter holding experts ([E, ...] when stacked) and the nodes reading it per
+    expert (grouped: the GEMMs; gathered: the `index` gathers; loop: the `select(W, 0, e)`s;
+    capacity: the batched GEMMs), through `views` that keep dim 0."""
 
     param: Node
-    """The parameter placeholder ([E, ...] when stacked)."""
     reads: list[Node]
-    """grouped: the GEMMs (weight operand); gathered: the `index` gathers; loop: the
-    `select(W, 0, e)`s; capacity: the batched GEMMs."""
     views: list[Node] = field(default_factory=list)
-    """Views between the placeholder and its reads (they keep dim 0)."""
 
 
 @dataclass
 class ExpertBlock:
-    """One routed-MoE block (module docstring). Fields a form does not use stay empty."""
+    """One routed-MoE block (module docstring); fields a form does not use stay empty."""
 
-    form: str
-    """"grouped", "gathered", "loop" or "capacity"."""
+    form: str  # "grouped", "gathered", "loop" or "capacity"
     num_experts: int
     weights: list[ExpertWeight]
-    topk: Node | None = None
-    """The routing top-k/argmax node its counts, ids or masks come from."""
-    rows: Node | None = None
-    """The rows entering the experts [N, ...]: sorted by expert (grouped, loop by split),
-    in token order (gathered); None for a loop that gathers each expert's rows apart."""
-    counts: Node | None = None
-    """Per-expert row counts [E] (grouped: the cumsum's input; loop by split)."""
-    offsets: list[Node] = field(default_factory=list)
-    """grouped: the offsets the GEMMs read, and the cast/cumsum chain below each."""
-    expert_ids: Node | None = None
-    """gathered: each row's expert [N]."""
-    gemms: list[Node] = field(default_factory=list)
-    """grouped, gathered, capacity: the GEMMs that read expert weights."""
-    nodes: set[Node] = field(default_factory=set)
-    """grouped, gathered: the experts' computation, `rows` to `exit` (rows excluded)."""
-    exit: Node | None = None
-    """The experts' output rows [N, ...] (grouped, gathered; loop by split: the cat)."""
-    pieces: list[Node] = field(default_factory=list)
-    """loop: expert e's rows."""
-    chains: list[set[Node]] = field(default_factory=list)
-    """loop: expert e's row-wise computation (from its piece, included, to its output)."""
-    outputs: list[Node] = field(default_factory=list)
-    """loop: expert e's output rows."""
-    masks: list[Node] = field(default_factory=list)
-    """loop by gather: mask_e, whose nonzero entries are expert e's rows."""
-    selects: list[list[Node]] = field(default_factory=list)
-    """loop: expert e's `select(W, 0, e)` reads of stacked weights."""
-    weight_nodes: list[set[Node]] = field(default_factory=list)
-    """loop: the nodes computed from expert e's weights alone (its selects included)."""
-    stacked: bool = True
-    """loop: the experts' weights are stacked [E, ...] (False: each expert's own)."""
+    topk: Node | None = None  # the routing top-k/argmax its counts, ids or masks come from
+    rows: Node | None = None  # rows entering the experts [N, ...]: sorted by expert (grouped,
+    # loop by split), in token order (gathered); None: a loop gathering each expert's rows
+    counts: Node | None = None  # per-expert row counts [E] (grouped, loop by split)
+    offsets: list[Node] = field(default_factory=list)  # grouped: offs, its casts, the cumsum
+    expert_ids: Node | None = None  # gathered: each row's expert [N]
+    gemms: list[Node] = field(default_factory=list)  # GEMMs reading the expert weights
+    nodes: set[Node] = field(default_factory=set)  # grouped, gathered: rows -> exit (no rows)
+    exit: Node | None = None  # the experts' output rows [N, ...] (loop by split: the cat)
+    pieces: list[Node] = field(default_factory=list)  # loop: expert e's rows
+    chains: list[set[Node]] = field(default_factory=list)  # loop: piece e -> output e
+    outputs: list[Node] = field(default_factory=list)  # loop: expert e's output rows
+    masks: list[Node] = field(default_factory=list)  # loop by gather: mask_e
+    selects: list[list[Node]] = field(default_factory=list)  # loop: select(W, 0, e)s of e
+    weight_nodes: list[set[Node]] = field(default_factory=list)  # loop: from e's weights alone
+    stacked: bool = True  # loop: weights stacked [E, ...] (False: one module per expert)
     combine: Node | None = None
     problem: Problem | None = None
-
-    @property
-    def module(self) -> str:
-        return module_of(self.first())
 
     def first(self) -> Node:
         """A node of the block's experts (for messages)."""
         return (self.gemms or self.pieces or [self.weights[0].reads[0]])[0]
 
 
-def module_of(node: Node) -> str:
-    return (node.meta.get("custom") or {}).get("module") or "<top>"
+def _weights(triples) -> list[ExpertWeight]:
+    """ExpertWeight per parameter from (parameter, read, views), in first-read order."""
+    out: dict[Node, ExpertWeight] = {}
+    for param, read, views in triples:
+        weight = out.setdefault(param, ExpertWeight(param, []))
+        weight.reads += [read] if read not in weight.reads else []
+        weight.views += [v for v in views if v not in weight.views]
+    return list(out.values())
 
 
-def where(node: Node) -> str:
-    """`aten.bmm at layers.1.mlp.experts` (for messages)."""
-    return f"{packet(node)} at {module_of(node)}"
 
+class _Finder(RowRegions):
+    # ---- the experts' rows --------------------------------------------------------------
+    def rows_to_exit(self, block: ExpertBlock, allowed) -> ExpertBlock:
+        """The block's `nodes` and `exit`: the row-wise region from its rows, which must
+        hold every expert GEMM and leave by one node."""
+        region, boundary = self.region(block.rows, allowed)
+        missing = [g for g in block.gemms if g not in region]
+        if missing:
+            on_way = ancestors(missing) & set(boundary)
+            stop = min(on_way or boundary or missing, key=self.order.get)
+            block.problem = Problem(stop, f"{where(stop)} between the expert GEMMs is not "
+                                    "row-wise (each row sorted by expert computed on its own)")
+            return block
+        exits = self.exits(region - {block.rows})
+        if len(exits) != 1:
+            block.problem = Problem(exits[1] if exits else block.gemms[-1],
+                                    f"its experts have {len(exits)} outputs, not one")
+            return block
+        block.nodes, block.exit = region - {block.rows}, exits[0]
+        return block
 
-def _is_param(node) -> bool:
-    return isinstance(node, Node) and node.op == "placeholder" and \
-        node.meta.get("mx_slot_kind") == "param"
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, Node) else None
-
-
-def _same(a, b) -> bool:
-    return a is b or (a is not None and b is not None and statically_known_true(a == b))
-
-
-def _norm_dim(dim: int, ndim: int) -> int:
-    return dim % ndim if ndim else 0
-
-
-def _is_grouped(node: Node) -> bool:
-    return node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and \
-        op_name(node) in GROUPED_GEMMS
-
-
-def grouped_args(node: Node) -> tuple[Node, Node, Node]:
-    """(rows, weights, offs) of a grouped GEMM, positional or keyword."""
-    names = [a.name for a in node.target._schema.arguments[:3]]
-    return tuple(node.args[i] if i < len(node.args) else node.kwargs[n]
-                 for i, n in enumerate(names))
-
-
-def expert_weight(node: Node) -> tuple[Node, list[Node]] | None:
-    """The parameter placeholder `node` reads whole through views keeping dim 0, and the
-    views (outermost last)."""
-    chain = []
-    while node.op == "call_function" and node.target in WEIGHT_VIEWS:
-        ndim = node.args[0].meta["val"].dim()
-        if node.target is aten.transpose.int and 0 in (_norm_dim(d, ndim) for d in node.args[1:3]):
-            return None
-        if node.target is aten.permute.default and _norm_dim(node.args[1][0], ndim) != 0:
-            return None
-        chain.append(node)
-        node = node.args[0]
-    return (node, chain) if _is_param(node) else None
-
-
-def count_of(value) -> tuple[Node, int] | None:
-    """(counts, e) when `value` is item(unbind(counts)[e]) or item(select(counts, 0, e))."""
-    if not isinstance(value, Node) or value.target is not aten.item.default:
-        return None
-    src = value.args[0]
-    if src.target is operator.getitem and src.args[0].target is aten.unbind.int and \
-            (src.args[0].args[1:] or (0,))[0] == 0:
-        return src.args[0].args[0], src.args[1]
-    if src.target is aten.select.int and src.args[1] == 0:
-        return src.args[0], src.args[2]
-    return None
-
-
-def data_dependent(graph: Graph) -> set[Node]:
-    """The user inputs and every node computed from them."""
-    data = set()
-    for node in graph.nodes:
-        if (node.op == "placeholder" and node.meta.get("mx_slot_kind") == "input") or (
-                node.op == "call_function" and any(a in data for a in node.all_input_nodes)):
-            data.add(node)
-    return data
-
-
-def _dim_arg(node: Node, index: int, default: int = 0):
-    return node.args[index] if len(node.args) > index else node.kwargs.get("dim", default)
-
-
-class _Finder:
-    def __init__(self, gm: GraphModule):
-        self.graph = gm.graph
-        self.order = {n: i for i, n in enumerate(self.graph.nodes)}
-        self.data = data_dependent(self.graph)
-
-    # ---- row-wise regions ---------------------------------------------------------------
-    def keeps_rows(self, node: Node, region: set[Node], rows) -> bool:
-        """`node`, reading region values, keeps dim 0 as the row (module docstring)."""
-        target = node.target
-        if target is operator.getitem:
-            return node.args[0] in region
-        if not isinstance(target, torch._ops.OpOverload):
+    def entry(self, block: ExpertBlock, operands) -> bool:
+        """Set `block.rows`: the one GEMM row operand that no expert GEMM computes."""
+        later = descendants(block.gemms)
+        entries = {a for g in block.gemms for a in operands(g)} - later
+        if len(entries) != 1:
+            block.problem = Problem(block.gemms[0], f"its expert GEMMs read rows from "
+                                    f"{len(entries)} tensors, not one tensor of rows")
             return False
-        value, first = _val(node), node.args[0]
-        if target in _ROW_SPLITS or target is aten.unbind.int:
-            dim = _dim_arg(node, 1 if target in (aten.unbind.int, aten.select.int,
-                                                  aten.slice.Tensor, aten.narrow.default)
-                           else 2)
-            return first in region and _norm_dim(dim, first.meta["val"].dim()) != 0
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or \
-                not _same(value.shape[0], rows):
-            return False
-        ins = [a for a in node.all_input_nodes if a in region]
-        if target in COPY_LIKE_OPS or target in CAST_OPS or torch.Tag.pointwise in target.tags:
-            return all(a.meta["val"].dim() == value.dim() for a in ins)
-        if target in VIEW_OPS:
-            return True  # dim 0 kept (checked above)
-        if target is aten.transpose.int:
-            return 0 not in (_norm_dim(d, value.dim()) for d in node.args[1:3])
-        if target is aten.permute.default:
-            return _norm_dim(node.args[1][0], value.dim()) == 0
-        if target in (aten.unsqueeze.default, aten.squeeze.dim):
-            return _norm_dim(node.args[1], value.dim() + (target is aten.unsqueeze.default)) != 0
-        if target in _NORMS:
-            return ins == [first]
-        if target in _ALONG_DIM:
-            return _norm_dim(node.args[1], value.dim()) != 0
-        if target in _ROW_MATMULS:
-            return ins == [first]
-        if target in (aten.bmm.default, aten.baddbmm.default):
-            return True  # the batch dim is the row (shape checked above)
-        return _is_grouped(node) and grouped_args(node)[0] in region
-
-    def region(self, start: Node, allowed=lambda user, value: False
-               ) -> tuple[set[Node], list[Node]]:
-        """`start` and the nodes computed from it row-wise (`keeps_rows`) whose other
-        inputs are not data-dependent (or `allowed(user, value)`), in graph order; and the
-        boundary: users of region nodes refused (the op that stopped the region)."""
-        rows = start.meta["val"].shape[0]
-        region, boundary, seen = {start}, [], {start}
-        todo = [(self.order[u], u) for u in start.users]
-        heapq.heapify(todo)
-        while todo:
-            _, node = heapq.heappop(todo)
-            if node in seen:
-                continue
-            seen.add(node)
-            if node.target in SINKS:
-                continue
-            ok = node.op == "call_function" and \
-                self.keeps_rows(node, region, rows) and \
-                all(a in region or a not in self.data or allowed(node, a)
-                    for a in node.all_input_nodes)
-            if not ok:
-                boundary.append(node)
-                continue
-            region.add(node)
-            for user in node.users:
-                if user not in seen:
-                    heapq.heappush(todo, (self.order[user], user))
-        return region, boundary
-
-    def exits(self, region: set[Node]) -> list[Node]:
-        return sorted((n for n in region if any(u not in region and u.target not in SINKS
-                                                 for u in n.users)), key=self.order.get)
-
-    def stopper(self, boundary: list[Node], target: Node) -> Node:
-        """The boundary node on the way to `target` (else the first boundary node)."""
-        on_way = [b for b in boundary if b is target or self._reaches(b, target)]
-        return min(on_way or boundary or [target], key=self.order.get)
-
-    def _reaches(self, node: Node, target: Node) -> bool:
-        limit = self.order[target]
-        todo, seen = [node], set()
-        while todo:
-            n = todo.pop()
-            if n is target:
-                return True
-            if n in seen or self.order[n] > limit:
-                continue
-            seen.add(n)
-            todo.extend(n.users)
-        return False
-
-    def ancestors_before(self, nodes: list[Node]) -> set[Node]:
-        """Every node the `nodes` read, transitively."""
-        seen, todo = set(), [a for n in nodes for a in n.all_input_nodes]
-        while todo:
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                todo.extend(n.all_input_nodes)
-        return seen
+        block.rows = entries.pop()
+        return True
 
     # ---- expert weights -----------------------------------------------------------------
     def weight_reads(self) -> list[tuple[str, Node, Node, list[Node]]]:
@@ -357,9 +161,7 @@ class _Finder:
         more dims: kind "grouped", "gathered", "select" or "batched"."""
         reads = []
         for param in self.graph.find_nodes(op="placeholder"):
-            if not _is_param(param) or param.meta["val"].dim() < 3:
-                continue
-            todo = [(param, [])]
+            todo = [(param, [])] if is_param(param) and param.meta["val"].dim() >= 3 else []
             while todo:
                 node, views = todo.pop()
                 for user in node.users:
@@ -373,311 +175,213 @@ class _Finder:
     def _read_kind(self, user: Node, value: Node) -> str | None:
         if user.target in WEIGHT_VIEWS and expert_weight(user) is not None:
             return "view"
-        if _is_grouped(user) and grouped_args(user)[1] is value:
+        if is_grouped_gemm(user) and grouped_args(user)[1] is value:
             return "grouped"
         if user.target is aten.index.Tensor and user.args[0] is value and \
-                len(user.args[1]) == 1 and _val(user.args[1][0]) is not None and \
+                len(user.args[1]) == 1 and val_of(user.args[1][0]) is not None and \
                 user.args[1][0].meta["val"].dim() == 1:
             return "gathered"
-        if user.target is aten.select.int and _norm_dim(user.args[1], value.meta["val"].dim()) == 0:
+        if user.target is aten.select.int and is_dim0(user.args[1], value.meta["val"].dim()):
             return "select"
-        if user.target in BATCHED_GEMMS:
-            return "batched"
-        return None
+        return "batched" if user.target in BATCHED_GEMMS else None
 
     # ---- forms ----------------------------------------------------------------------------
-    def grouped(self, reads) -> list[ExpertBlock]:
-        by_offs: dict[Node, list] = {}
-        for kind, read, param, views in reads:
-            if kind == "grouped":
-                by_offs.setdefault(grouped_args(read)[2], []).append((read, param, views))
-        return [self._grouped_block(offs, group) for offs, group in by_offs.items()]
+    def by_key(self, reads, kind: str, key) -> dict[Node, list]:
+        groups: dict[Node, list] = {}
+        for k, read, param, views in reads:
+            if k == kind:
+                groups.setdefault(key(read), []).append((param, read, views))
+        return groups
 
-    def _grouped_block(self, offs: Node, group) -> ExpertBlock:
-        gemms = [g for g, _, _ in group]
-        weights = _weights((param, read, views) for read, param, views in group)
-        num = int(group[0][1].meta["val"].shape[0])
-        block = ExpertBlock("grouped", num, weights, gemms=gemms)
+    def grouped(self, offs: Node, group) -> ExpertBlock:
+        num = int(group[0][0].meta["val"].shape[0])
+        block = ExpertBlock("grouped", num, _weights(group), gemms=[r for _, r, _ in group])
         chain, node = [offs], offs
         while node.target in CONVERT_OPS:
             node = node.args[0]
             chain.append(node)
-        if node.target is not aten.cumsum.default or node.args[1] not in (0, -1):
-            block.problem = Problem(offs, f"its offsets {offs.name} are not a cumulative sum of "
-                                    f"per-expert row counts", _DROPLESS)
+        counts = node.args[0] if node.target is aten.cumsum.default and \
+            node.args[1] in (0, -1) else None
+        if counts is None or not isinstance(val_of(counts), torch.Tensor) or \
+                list(counts.meta["val"].shape) != [num]:
+            block.problem = Problem(offs, f"its offsets {offs.name} are not a cumulative sum "
+                                    f"of {num} per-expert row counts")
             return block
-        block.counts, block.offsets = node.args[0], chain
-        counts_val = _val(block.counts)
-        if not isinstance(counts_val, torch.Tensor) or counts_val.dim() != 1 or \
-                counts_val.shape[0] != num:
-            block.problem = Problem(node, f"its offsets count {counts_val and list(counts_val.shape)}"
-                                    f" groups for {num} experts", _DROPLESS)
+        block.counts, block.offsets = counts, chain
+        if not self.entry(block, lambda g: [grouped_args(g)[0]]):
             return block
-        gemm_out = set(gemms) | self._descendants(gemms)
-        entries = {grouped_args(g)[0] for g in gemms} - gemm_out
-        if len(entries) != 1:
-            block.problem = Problem(gemms[0], f"its expert GEMMs read rows from {len(entries)} "
-                                    f"tensors, not one tensor of rows sorted by expert",
-                                    _DROPLESS)
-            return block
-        block.rows = entries.pop()
-        gemm_set = set(gemms)
-        allowed = set(chain) | {grouped_args(g)[1] for g in gemms}
-        return self._rows_to_exit(block, lambda user, value: user in gemm_set and value in allowed)
+        gemms, allowed = set(block.gemms), set(chain) | {grouped_args(g)[1] for g in block.gemms}
+        return self.rows_to_exit(block, lambda user, value: user in gemms and value in allowed)
 
-    def gathered(self, reads) -> list[ExpertBlock]:
-        by_ids: dict[Node, list] = {}
-        for kind, read, param, views in reads:
-            if kind == "gathered":
-                by_ids.setdefault(read.args[1][0], []).append((read, param, views))
-        return [self._gathered_block(ids, group) for ids, group in by_ids.items()]
-
-    def _gathered_block(self, ids: Node, group) -> ExpertBlock:
-        num = int(group[0][1].meta["val"].shape[0])
+    def gathered(self, ids: Node, group) -> ExpertBlock:
+        num = int(group[0][0].meta["val"].shape[0])
         for user in ids.users:  # an expert bias [E, O] read by the same ids
-            if user.target is aten.index.Tensor and user.args[1] == [ids] and \
-                    all(user is not r for r, _, _ in group):
-                found = expert_weight(user.args[0])
-                if found is not None and found[0].meta["val"].shape[0] == num:
-                    group.append((user, found[0], found[1]))
-        weights = _weights((param, read, views) for read, param, views in group)
-        block = ExpertBlock("gathered", num, weights, expert_ids=ids)
-        side = set()  # the gathered weights, through views
-        for read, _, _ in group:
-            side |= self._views_of(read)
-        gemms = sorted({u for n in side for u in n.users if u.target in BATCHED_GEMMS},
-                       key=self.order.get)
-        odd = [u for n in side for u in n.users if u not in side and u.target not in BATCHED_GEMMS
-               and u.op == "call_function" and u.target not in (aten.add.Tensor, aten.add_.Tensor)]
-        if odd or not gemms:
-            stop = odd[0] if odd else group[0][0]
-            block.problem = Problem(stop, "per-row gathered expert weights are read by "
-                                    f"{packet(stop)}, not a batched GEMM", _DROPLESS)
+            found = expert_weight(user.args[0]) if user.target is aten.index.Tensor and \
+                user.args[1] == [ids] and all(user is not r for _, r, _ in group) else None
+            if found is not None and found[0].meta["val"].shape[0] == num:
+                group.append((found[0], user, found[1]))
+        block = ExpertBlock("gathered", num, _weights(group), expert_ids=ids)
+        side = descendants([r for _, r, _ in group], keep=lambda u: u.target in VIEW_OPS | (
+            WEIGHT_VIEWS | {aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default}))
+        block.gemms = sorted({u for n in side for u in n.users if u.target in BATCHED_GEMMS},
+                             key=self.order.get)
+        odd = [u for n in side for u in n.users if u not in side and u.op == "call_function"
+               and u.target not in BATCHED_GEMMS | {aten.add.Tensor, aten.add_.Tensor}]
+        if odd or not block.gemms:
+            stop = odd[0] if odd else group[0][1]
+            block.problem = Problem(stop, f"per-row gathered expert weights are read by "
+                                    f"{packet(stop)}, not a batched GEMM")
             return block
-        block.gemms = gemms
-        gemm_out = set(gemms) | self._descendants(gemms)
-        entries = {a for g in gemms for a in g.all_input_nodes if a not in side} - gemm_out
-        if len(entries) != 1:
-            block.problem = Problem(gemms[0], f"its expert GEMMs read rows from {len(entries)} "
-                                    "tensors, not one", _DROPLESS)
+        if not self.entry(block, lambda g: [a for a in g.all_input_nodes if a not in side]):
             return block
-        block.rows = entries.pop()
-        if not _same(block.rows.meta["val"].shape[0], ids.meta["val"].shape[0]):
-            block.problem = Problem(gemms[0], f"its rows {block.rows.name} are not one per "
-                                    f"expert id ({ids.name})", _DROPLESS)
+        if not statically_known_true(block.rows.meta["val"].shape[0] == ids.meta["val"].shape[0]):
+            block.problem = Problem(block.gemms[0], f"its rows {block.rows.name} are not one "
+                                    f"per expert id ({ids.name})")
             return block
-        return self._rows_to_exit(block, lambda user, value: value in side)
-
-    def _views_of(self, read: Node) -> set[Node]:
-        out, todo = set(), [read]
-        while todo:
-            n = todo.pop()
-            out.add(n)
-            todo.extend(u for u in n.users if u.target in VIEW_OPS | WEIGHT_VIEWS | {
-                aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default})
-        return out
-
-    def _rows_to_exit(self, block: ExpertBlock, allowed) -> ExpertBlock:
-        region, boundary = self.region(block.rows, allowed)
-        missing = [g for g in block.gemms if g not in region]
-        if missing:
-            stop = self.stopper(boundary, missing[0])
-            block.problem = Problem(stop, f"{where(stop)} between the expert GEMMs is not "
-                                    "row-wise (each row of the rows sorted by expert computed "
-                                    "on its own)", _DROPLESS)
-            return block
-        exits = self.exits(region - {block.rows})
-        if len(exits) != 1:
-            block.problem = Problem(exits[1] if exits else block.gemms[-1],
-                                    f"its experts have {len(exits)} outputs, not one", _DROPLESS)
-            return block
-        block.nodes, block.exit = region - {block.rows}, exits[0]
-        return block
-
-    def _descendants(self, nodes) -> set[Node]:
-        seen, todo = set(), [u for n in nodes for u in n.users]
-        while todo:
-            n = todo.pop()
-            if n not in seen:
-                seen.add(n)
-                todo.extend(n.users)
-        return seen
+        return self.rows_to_exit(block, lambda user, value: value in side)
 
     def capacity(self, reads) -> list[ExpertBlock]:
         """One block per routing top-k of the batched GEMMs over all experts."""
-        by_router: dict[Node | None, list] = {}
-        for kind, read, param, views in reads:
-            if kind == "batched":
-                data = [a for a in read.all_input_nodes if a in self.data]
-                by_router.setdefault(self.nearest_router(data), []).append((param, read, views))
+        groups = self.by_key(reads, "batched", lambda read: self.nearest_router(
+            [a for a in read.all_input_nodes if a in self.data]))
         blocks = []
-        for topk, group in by_router.items():
-            block = ExpertBlock("capacity", int(group[0][0].meta["val"].shape[0]),
-                                _weights(group), topk=topk, gemms=[r for _, r, _ in group])
-            block.problem = Problem(group[0][1], "a capacity-padded form",
-                                    _DROPLESS + " or route without capacity")
-            blocks.append(block)
+        for topk, group in groups.items():
+            blocks.append(ExpertBlock(
+                "capacity", int(group[0][0].meta["val"].shape[0]), _weights(group), topk=topk,
+                gemms=[r for _, r, _ in group], problem=Problem(
+                    group[0][1], "a capacity-padded form", _DROPLESS + " or route without "
+                    "capacity")))
         return blocks
 
     # ---- loops ----------------------------------------------------------------------------
     def loops(self) -> list[ExpertBlock]:
-        blocks = []
-        gathers: dict[tuple[Node, Node], dict[int, tuple[Node, Node]]] = {}
+        blocks, gathers = [], {}
         for node in self.graph.nodes:
             if node.target is aten.split_with_sizes.default:
                 sources = [count_of(s) for s in node.args[1]]
                 if sources and all(s is not None and s[0] is sources[0][0] for s in sources) \
                         and [s[1] for s in sources] == list(range(len(sources))):
-                    blocks.append(self._split_loop(node, sources[0][0]))
+                    blocks.append(self.split_loop(node, sources[0][0]))
             elif node.target is aten.index.Tensor and len(node.args[1]) == 1:
                 found = self._selection(node.args[1][0])
-                if found is not None:
-                    key, e, mask = found
-                    gathers.setdefault((key, node.args[0]), {}).setdefault(e, (node, mask))
-        for key, by_e in gathers.items():
+                if found is not None:  # by (M or ids, rows gathered): expert e -> (piece, mask)
+                    gathers.setdefault((found[0], node.args[0]), {}).setdefault(
+                        found[1], (node, found[2]))
+        for by_e in gathers.values():
             if sorted(by_e) == list(range(len(by_e))) and len(by_e) > 1:
-                blocks.append(self._gather_loop([by_e[e] for e in range(len(by_e))]))
+                block = self.loop_chains([by_e[e][0] for e in range(len(by_e))])
+                if block is not None:
+                    block.masks = [by_e[e][1] for e in range(len(by_e))]
+                blocks.append(block)
         return [b for b in blocks if b is not None]
 
     def _selection(self, index: Node) -> tuple[Node, int, Node] | None:
         """(M or ids, e, mask_e) when `index` is a column of where/nonzero(mask_e)."""
         node = index
-        while node.target in (operator.getitem, aten.select.int, aten.squeeze.dim,
-                              aten.squeeze.default, *VIEW_OPS) and node.op == "call_function":
+        while node.op == "call_function" and node.target not in _NONZERO and node.target in (
+                operator.getitem, aten.select.int, aten.squeeze.dim, aten.squeeze.default,
+                *VIEW_OPS):
             node = node.args[0]
-            if node.target in _NONZERO:
-                break
-        if node.target not in _NONZERO:
-            return None
-        mask = node.args[0]
-        if mask.target is aten.select.int and mask.args[1] == 0:
+        mask = node.args[0] if node.target in _NONZERO else None
+        if mask is not None and mask.target is aten.select.int and mask.args[1] == 0:
             return mask.args[0], mask.args[2], mask
-        if mask.target is aten.eq.Scalar and isinstance(mask.args[1], int):
+        if mask is not None and mask.target is aten.eq.Scalar and isinstance(mask.args[1], int):
             return mask.args[0], mask.args[1], mask
         return None
 
-    def _split_loop(self, split: Node, counts: Node) -> ExpertBlock | None:
+    def split_loop(self, split: Node, counts: Node) -> ExpertBlock | None:
         num = len(split.args[1])
         pieces = {u.args[1]: u for u in split.users if u.target is operator.getitem}
-        block = self._loop_chains([pieces.get(e, split) for e in range(num)], num)
+        block = self.loop_chains([pieces.get(e, split) for e in range(num)])
         if block is None:
             return None
         block.rows, block.counts = split.args[0], counts
         if sorted(pieces) != list(range(num)) or len(split.users) != num:
-            block.problem = Problem(split, "not every expert's rows are used once", _DROPLESS)
+            block.problem = Problem(split, "not every expert's rows are used once")
             return block
         cats = {u for o in block.outputs for u in o.users if u.target is aten.cat.default}
         cat = cats.pop() if len(cats) == 1 else None
         if cat is None or list(cat.args[0]) != block.outputs or (cat.args[1:] or (0,))[0] != 0 \
-                or any(u is not cat and u.target not in SINKS for o in block.outputs
-                       for u in o.users if u not in block.chains[block.outputs.index(o)]):
+                or any(u is not cat and u.target not in SINKS and u not in chain
+                       for o, chain in zip(block.outputs, block.chains) for u in o.users):
             block.problem = Problem(block.outputs[0], "its experts' outputs are not "
-                                    "concatenated by one cat along dim 0 in expert order",
-                                    _DROPLESS)
+                                    "concatenated by one cat along dim 0 in expert order")
             return block
         block.exit = cat
         return block
 
-    def _gather_loop(self, selections: list[tuple[Node, Node]]) -> ExpertBlock | None:
-        block = self._loop_chains([piece for piece, _ in selections], len(selections))
-        if block is not None:
-            block.masks = [mask for _, mask in selections]
-        return block
-
-    def _loop_chains(self, pieces: list[Node], num: int) -> ExpertBlock | None:
+    def loop_chains(self, pieces: list[Node]) -> ExpertBlock | None:
         """The loop block of expert e's rows `pieces[e]`; None if no chain reads expert
         weights (a split that is no expert block)."""
-        chains, outputs, per_expert = [], [], []
-        problem = None
+        num, problems = len(pieces), []
+        block = ExpertBlock("loop", num, [], pieces=pieces)
+        own: list[list[Node]] = []
         for e, piece in enumerate(pieces):
-            chain, _ = self.region(piece) if piece.op == "call_function" and \
-                piece.target is not aten.split_with_sizes.default else ({piece}, [])
-            chains.append(chain)
+            chain = self.region(piece)[0] if piece.target is not \
+                aten.split_with_sizes.default else {piece}
             exits = self.exits(chain)
-            outputs.append(exits[0] if exits else piece)
-            if len(exits) != 1 and problem is None:
-                problem = Problem(exits[1] if exits else piece,
-                                  f"expert {e}'s computation has {len(exits)} outputs, not one",
-                                  _DROPLESS)
-            per_expert.append(self._chain_weights(chain, e, num))
-        stacked = {w for reads, _, _, _ in per_expert for w in reads}
-        own = [ps for _, ps, _, _ in per_expert]
-        if not stacked and not any(own):
+            block.chains.append(chain)
+            block.outputs.append(exits[0] if exits else piece)
+            if len(exits) != 1:
+                problems.append(Problem(exits[1] if exits else piece, f"expert {e}'s "
+                                        f"computation has {len(exits)} outputs, not one"))
+            selects, params, side = self.chain_weights(chain, e, num, problems)
+            block.selects.append(selects)
+            block.weight_nodes.append(side)
+            own.append(params)
+        readers = [p for params in own for p in params]
+        own = [sorted((p for p in params if readers.count(p) == 1),  # read by this expert only
+                      key=lambda p: min(self.order[u] for u in p.users)) for params in own]
+        if not any(block.selects) and not any(own):
             return None
-        readers: dict[Node, int] = {}
-        for params in own:
-            for p in params:
-                readers[p] = readers.get(p, 0) + 1
-        own = [sorted((p for p in params if readers[p] == 1), key=lambda p: min(
-            self.order[u] for u in p.users)) for params in own]  # in the order they are read
-        weights = _weights((*expert_weight(w.args[0])[:1], w, expert_weight(w.args[0])[1])
-                           for reads, _, _, _ in per_expert for w in reads)
-        block = ExpertBlock("loop", num, weights, pieces=pieces, chains=chains,
-                            outputs=outputs, problem=problem,
-                            selects=[reads for reads, _, _, _ in per_expert],
-                            weight_nodes=[side for _, _, _, side in per_expert])
-        bad = next((p for _, _, p, _ in per_expert if p is not None), None)
-        if bad is not None and block.problem is None:
-            block.problem = bad
+        block.weights = _weights((*expert_weight(s.args[0])[:1], s, expert_weight(s.args[0])[1])
+                                 for selects in block.selects for s in selects)
         if any(own):
             block.stacked = False
             block.weights += [ExpertWeight(p, list(p.users)) for params in own for p in params]
-            if block.problem is None:
-                names = ", ".join(f"{p.meta.get('mx_slot_key', p.name)} "
-                                  f"{list(p.meta['val'].shape)}" for p in own[0])
-                block.problem = Problem(
-                    min(own[0][0].users, key=self.order.get), f"experts held as one module each (expert 0's "
-                    f"own parameters: {names})",
-                    "ep needs each projection's expert weights stacked in one parameter "
-                    "[E, ...] (as transformers' MoE experts hold them); stack them or set "
-                    "ep=1")
+            names = ", ".join(f"{p.meta.get('mx_slot_key', p.name)} {list(p.meta['val'].shape)}"
+                              for p in own[0])
+            problems.append(Problem(
+                min(own[0][0].users, key=self.order.get), f"experts held as one module each "
+                f"(expert 0's own parameters: {names})", "ep needs each projection's expert "
+                "weights stacked in one parameter [E, ...] (as transformers' MoE experts hold "
+                "them); stack them or set ep=1"))
+        block.problem = problems[0] if problems else None
         return block
 
-    def _chain_weights(self, chain: set[Node], e: int, num: int):
-        """(select(W, 0, e) reads, parameters read directly, a Problem or None) of expert
-        e's chain: the non-data values it reads, back to parameters."""
-        selects, params, problem, weight_side = [], [], None, set()
+    def chain_weights(self, chain: set[Node], e: int, num: int, problems: list[Problem]):
+        """(select(W, 0, e) reads, parameters read directly, nodes from the selects alone)
+        of expert e's chain: the values it reads that are no data, back to parameters."""
+        selects, params, weight_side, seen = [], [], set(), set()
         todo = [a for n in chain for a in n.all_input_nodes if a not in chain]
-        seen = set()
         while todo:
             node = todo.pop()
             if node in seen or node in self.data:
                 continue
             seen.add(node)
             if node.target is aten.select.int and expert_weight(node.args[0]) is not None and \
-                    _norm_dim(node.args[1], node.args[0].meta["val"].dim()) == 0 and \
+                    is_dim0(node.args[1], node.args[0].meta["val"].dim()) and \
                     node.args[0].meta["val"].shape[0] == num:
-                if node.args[2] % num != e and problem is None:
-                    problem = Problem(node, f"expert {e}'s rows meet expert {node.args[2]}'s "
-                                      f"weights", _DROPLESS)
-                side, walk = set(), [node]  # the weight's values up to the chain
-                while walk:
-                    n = walk.pop()
-                    if n not in side and n not in chain:
-                        side.add(n)
-                        walk.extend(n.users)
+                side = descendants([node], keep=lambda u: u not in chain)
                 leak = [u for n in side for u in n.users
                         if u not in side and u not in chain and u.target not in SINKS]
-                if leak and problem is None:
-                    problem = Problem(leak[0], f"expert {e}'s weights also feed other "
-                                      "computation", _DROPLESS)
+                if node.args[2] % num != e:
+                    problems.append(Problem(node, f"expert {e}'s rows meet expert "
+                                            f"{node.args[2]}'s weights"))
+                elif leak:
+                    problems.append(Problem(leak[0], f"expert {e}'s weights also feed other "
+                                            "computation"))
                 selects.append(node)
                 weight_side |= side
-            elif _is_param(node):
+            elif is_param(node):
                 params.append(node)
             else:
                 todo.extend(node.all_input_nodes)
-        return selects, params, problem, weight_side
+        return selects, params, weight_side
 
-    # ---- routing --------------------------------------------------------------------------
-    def router(self, block: ExpertBlock) -> Node | None:
-        """The nearest top-k/argmax whose indices the block's routing values come from."""
-        if block.form == "capacity":
-            return block.topk
-        return self.nearest_router([n for n in (block.counts, block.expert_ids)
-                                    if n is not None] + [m.args[0] for m in block.masks])
-
+    # ---- routing, combine -----------------------------------------------------------------
     def nearest_router(self, starts: list[Node]) -> Node | None:
+        """The nearest top-k/argmax whose indices the `starts` are computed from."""
         todo, seen = list(starts), set()
         while todo:
             node = todo.pop(0)
@@ -687,97 +391,49 @@ class _Finder:
             if node.target is operator.getitem and node.args[0].target in ROUTERS:
                 if node.args[1] == 1:
                     return node.args[0]
-                continue
-            if node.target in (aten.argmax.default,):
+            elif node.target is aten.argmax.default:
                 return node
-            todo.extend(node.all_input_nodes)
+            else:
+                todo.extend(node.all_input_nodes)
         return None
 
-    def combine_of(self, block: ExpertBlock) -> Node | None:
-        start = block.exit or (block.outputs[0] if block.outputs else None)
-        if start is None:
-            return None
-        todo, seen = [(self.order[u], u) for u in start.users], set()
-        heapq.heapify(todo)
-        while todo:
-            _, node = heapq.heappop(todo)
-            if node in seen:
-                continue
-            seen.add(node)
-            if node.target in COMBINES:
-                return node
-            for u in node.users:
-                heapq.heappush(todo, (self.order[u], u))
-        return None
+    def combine_of(self, start: Node | None) -> Node | None:
+        """The first op after `start` (in graph order) that sums rows into tokens."""
+        later = descendants([start]) if start is not None else set()
+        return min((n for n in later if n.target in COMBINES), key=self.order.get, default=None)
 
     def run(self) -> list[ExpertBlock]:
         reads = self.weight_reads()
-        blocks = self.grouped(reads) + self.gathered(reads) + self.loops() + \
-            self.capacity(reads)
+        blocks = [self.grouped(offs, group) for offs, group in self.by_key(
+            reads, "grouped", lambda read: grouped_args(read)[2]).items()]
+        blocks += [self.gathered(ids, group) for ids, group in self.by_key(
+            reads, "gathered", lambda read: read.args[1][0]).items()]
+        blocks += self.loops() + self.capacity(reads)
         covered = {r for b in blocks for w in b.weights for r in w.reads}
         for kind, read, param, views in reads:  # per-expert reads no block explains
             if read not in covered and kind == "select":
-                block = ExpertBlock("loop", int(param.meta["val"].shape[0]),
-                                    _weights([(param, read, views)]))
-                block.problem = Problem(read, f"it reads one expert ({param.name}[{read.args[2]}]"
-                                        ") for rows that are not that expert's rows split by "
-                                        "per-expert counts or selected by a routing mask",
-                                        _DROPLESS)
-                blocks.append(block)
+                blocks.append(ExpertBlock("loop", int(param.meta["val"].shape[0]),
+                                          _weights([(param, read, views)]), problem=Problem(
+                    read, "it reads one expert for rows that are neither that expert's rows "
+                    "split by per-expert counts nor selected by a routing mask")))
         for block in blocks:
-            block.topk = self.router(block)
-            block.combine = self.combine_of(block)
-            if block.topk is None and block.problem is None and block.form != "capacity":
-                block.problem = Problem(block.first(), "its rows are not routed by a top-k "
-                                        "(the expert counts or ids come from no topk/argmax)",
+            if block.form != "capacity":
+                block.topk = self.nearest_router(
+                    [n for n in (block.counts, block.expert_ids) if n is not None] +
+                    [m.args[0] for m in block.masks])
+            block.combine = self.combine_of(block.exit or (block.outputs or [None])[0])
+            if block.topk is None and block.problem is None:
+                block.problem = Problem(block.first(), "its rows are not routed by a top-k (the "
+                                        "expert counts or ids come from no topk/argmax)",
                                         "ep shards routed experts only; set ep=1")
         return sorted(blocks, key=lambda b: self.order[b.first()])
 
 
-_DROPLESS = ("ep needs a dropless form (grouped GEMM with offsets, per-row gathered expert "
-             "weights, or a loop over experts); set ep=1")
-
-
-def _weights(triples) -> list[ExpertWeight]:
-    """ExpertWeight per parameter from (parameter, read, views) triples, in first-read order."""
-    out: dict[Node, ExpertWeight] = {}
-    for param, read, views in triples:
-        weight = out.setdefault(param, ExpertWeight(param, []))
-        if read not in weight.reads:
-            weight.reads.append(read)
-        weight.views += [v for v in views if v not in weight.views]
-    return list(out.values())
-
-
 def find_expert_blocks(gm: GraphModule) -> list[ExpertBlock]:
     """Every routed-MoE block of the forward graph `gm`, in graph order (module docstring).
-    Placeholders carry meta["mx_slot_kind"] and every node meta["val"]; the graph is not
-    changed."""
+    Placeholders carry meta["mx_slot_kind"], nodes meta["val"]; the graph is not changed."""
     return _Finder(gm).run()
 
 
-def stable_toposort(graph: Graph) -> None:
-    """Reorder `graph` so every node follows its inputs, keeping the current order where
-    it already does (a rewrite that made a node read one defined later)."""
-    nodes = list(graph.nodes)
-    position = {n: i for i, n in enumerate(nodes)}
-    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [(position[n], n) for n in nodes if waiting[n] == 0 and n.op != "output"]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        _, node = heapq.heappop(ready)
-        order.append(node)
-        for user in node.users:
-            waiting[user] -= 1
-            if waiting[user] == 0 and user.op != "output":
-                heapq.heappush(ready, (position[user], user))
-    output = [n for n in nodes if n.op == "output"]
-    if len(order) + len(output) != len(nodes):
-        raise RuntimeError("stable_toposort: the graph has a cycle")
-    for before, node in zip(order, order[1:] + output):
-        before.append(node)
-
-
-__all__ = ["ExpertBlock", "ExpertWeight", "Problem", "find_expert_blocks", "grouped_args",
-           "stable_toposort", "where"]
+__all__ = ["BATCHED_GEMMS", "GROUPED_GEMMS", "SINKS", "ExpertBlock", "ExpertWeight", "Problem",
+           "find_expert_blocks", "grouped_args", "where"]

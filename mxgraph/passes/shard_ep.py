@@ -49,18 +49,19 @@ weight-gradient sums changes (not bitwise). Returns `gm` unchanged when ep == 1.
 """
 from __future__ import annotations
 
+import heapq
 import operator
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
 import mxgraph.codegen.kernels  # noqa: F401 - registers mxgraph::grouped_mm
 import mxgraph.runtime.collectives_ep  # noqa: F401 - registers the all-to-all ops
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
 from mxgraph.ir import insert_call
-from mxgraph.passes.moe_blocks import (SINKS, ExpertBlock, find_expert_blocks, grouped_args,
-                                       stable_toposort, where)
+from mxgraph.passes.moe_blocks import ExpertBlock, find_expert_blocks
+from mxgraph.passes.moe_dataflow import grouped_args, module_of, where
 from mxgraph.passes.sharding import repropagate
 from mxgraph.plan import divisors
 
@@ -101,8 +102,8 @@ class _ExpertSharder:
         num = block.num_experts
         if num % self.ep:
             raise PlanError(f"ep={self.ep} does not divide the number of routed experts "
-                            f"{num} ({_weights_text(block)} at {block.module}); choose ep in "
-                            f"{divisors(num)} (ep must also divide dp)")
+                            f"{num} ({_weights_text(block)} at {module_of(block.first())}); "
+                            f"choose ep in {divisors(num)} (ep must also divide dp)")
         for weight in block.weights:
             self.params[weight.param] = num
             self.covered.update(weight.reads + weight.views)
@@ -153,7 +154,7 @@ class _ExpertSharder:
         rows = x.meta["val"].shape[0]
         if not isinstance(rows, int):
             raise PlanError(f"ep={self.ep}: the rows {x.name} entering the experts at "
-                            f"{block.module} have a data-dependent count {rows}; expert "
+                            f"{module_of(block.first())} have a data-dependent count {rows}; expert "
                             f"parallelism needs a fixed number of (token, choice) rows")
         return rows
 
@@ -172,7 +173,7 @@ class _ExpertSharder:
     # ---- forms ------------------------------------------------------------------------
     def grouped(self, block: ExpertBlock) -> None:
         x, rows = block.rows, self.static_rows(block.rows, block)
-        cumsum, offs = block.offsets[-1], block.offsets[0]
+        cumsum = block.offsets[-1]
         with self.after(x):
             counts, recv, local = self.exchange(block.counts, x)
             x_local = self.dispatch(x, counts, recv, local, rows, x)
@@ -291,6 +292,30 @@ class _ExpertSharder:
         stable_toposort(self.graph)
 
 
+def stable_toposort(graph: Graph) -> None:
+    """Reorder `graph` so that every node follows its inputs, keeping the current order
+    wherever it already does: a node moves only if it reads one placed after it (a node
+    a rewrite inserted later), and then only as far as that input."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [(position[n], n) for n in nodes if waiting[n] == 0 and n.op != "output"]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        order.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if waiting[user] == 0 and user.op != "output":
+                heapq.heappush(ready, (position[user], user))
+    output = [n for n in nodes if n.op == "output"]
+    if len(order) + len(output) != len(nodes):
+        raise RuntimeError("stable_toposort: the graph has a cycle")
+    for before, node in zip(order, order[1:] + output):
+        before.append(node)
+
+
 def shard_ep_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """Shard routed experts over the "ep" group (see module docstring)."""
     if ctx.mesh is None or ctx.mesh.sizes["ep"] == 1:
@@ -303,4 +328,4 @@ def shard_ep_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
                                    *node.meta["val"].shape[1:]] for node in sharder.params})
 
 
-__all__ = ["SINKS", "shard_ep_pass"]
+__all__ = ["shard_ep_pass", "stable_toposort"]
