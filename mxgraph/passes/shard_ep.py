@@ -146,8 +146,8 @@ class _ExpertSharder:
         for compare, bound in ((operator.ge, 0), (operator.le, upper)):
             check = self.call(compare, (value, bound), like)
             self.call(aten._assert_scalar.default,
-                      (check, f"expert parallelism: {like.name} receives a row count "
-                              f"outside [0, {upper}]"), like)
+                      (check, f"expert parallelism: an expert at {module_of(like)} receives "
+                              f"a row count outside [0, {upper}]"), like)
         return value
 
     def static_rows(self, x: Node, block: ExpertBlock) -> int:
