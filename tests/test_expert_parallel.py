@@ -5,7 +5,13 @@ rank's batch and compares the loss (1e-5), the gradients after one step (1e-4) a
 parameters after 3 AdamW steps (1e-4) with eager autograd on the global batch. Expert
 weights are compared with this rank's experts: [r*E/ep, (r+1)*E/ep) along dim 0.
 Router aux loss and expert bias stay per rank, so the models run with aux_loss_coef=0.
+Blocks are found by what they do (passes/moe_blocks.py): besides mxgraph's two forms, a
+hand-built loop over the experts (torch.where selection, index_add_ combine) is sharded,
+and forms expert parallelism cannot shard are refused by a PlanError that names the
+weights, the op and the module (Hugging Face models: tests/test_hf_expert_parallel.py).
 """
+import functools
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -15,9 +21,12 @@ import mxgraph as mx
 import tests.test_pipeline_exec as pipeline_exec
 from mxgraph.capture import capture
 from mxgraph.context import CompileContext
-from mxgraph.passes.shard_ep import shard_ep_pass
+from mxgraph.driver import compile_step, fake_model
+from mxgraph.passes.shard_ep import shard_ep_pass, stable_toposort
 from mxgraph.runtime.mesh import Mesh
 from tests.distributed import run_ranks
+from tests.test_moe_blocks import HandMoE
+
 
 def check_ep(rank, world, model_name, plan_kwargs, steps=3, model_kwargs=None, lr=1e-2):
     pipeline_exec.check_plan(rank, world, model_name, plan_kwargs, steps,
@@ -72,8 +81,10 @@ def test_ep_must_divide_experts():
 
 def test_capacity_form_is_refused():
     model = models.build_model("moe-tiny", n_layers=2, capacity_factor=1.5)
-    with pytest.raises(mx.PlanError, match=r"read per expert by .*bmm.*expert_impl="
-                                           r"'grouped_mm'"):
+    with pytest.raises(mx.PlanError, match=r"expert weights layers\.1\.mlp\.experts\.w_gate "
+                                           r"\[8, 64, 128\] read by aten\.bmm at layers\.1\.mlp, "
+                                           r"a capacity-padded form; ep needs a dropless form .*"
+                                           r"set ep=1 or route without capacity$"):
         _paper_pass(model, 2)
 
 
@@ -90,3 +101,58 @@ def test_pass_keeps_local_experts_only(expert_impl):
         selects = [n for n in gm.graph.nodes if n.target is torch.ops.aten.select.int
                    and n.args[0] in sharded]
         assert sorted(n.args[2] for n in selects) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+
+
+def test_ep2_hand_built_loop_over_experts():
+    """A loop over range(E) selecting each expert's tokens with torch.where on a one-hot
+    mask and adding its output back with index_add_ (the loop-by-gather form)."""
+    run_ranks(2, check_ep, functools.partial(HandMoE, "nonzero"), dict(ep=2), 3)
+
+
+def _paper_compile(model, ep=2):
+    tokens = torch.randint(0, 256, (2, 8))
+    model, inputs = fake_model(model, (tokens, tokens))
+    plan, mesh = mx.Plan(ep=ep), Mesh.on_paper(ep=ep, dp=ep)
+    return compile_step(model, plan, mesh, CompileContext(plan=plan, mesh=mesh), inputs, {},
+                        stop_after="shard_ep")
+
+
+def test_hand_built_capacity_block_is_refused():
+    with torch.device("meta"):
+        model = HandMoE("capacity")
+    with pytest.raises(mx.PlanError, match=r"^expert parallelism \(ep=2\) found the expert "
+                                           r"weights w_in \[4, 32, 16\] read by aten\.bmm at "
+                                           r"<top>, a capacity-padded form; ep needs a dropless "
+                                           r"form \(grouped GEMM with offsets, .*\); set ep=1 "
+                                           r"or route without capacity$"):
+        _paper_compile(model)
+
+
+def test_hand_built_module_per_expert_is_refused():
+    with torch.device("meta"):
+        model = HandMoE("modules")
+    with pytest.raises(mx.PlanError, match=r"expert weights experts\.0\.0\.weight \[32, 16\] "
+                                           r"read by aten\.linear at experts\.0\.0, experts "
+                                           r"held as one module each .*stacked in one parameter "
+                                           r"\[E, \.\.\.\].*set ep=1$"):
+        _paper_compile(model)
+
+
+def test_no_expert_block_is_refused():
+    with torch.device("meta"):
+        model = models.build_model("llama-tiny", n_layers=1)
+    with pytest.raises(mx.PlanError, match=r"found no routed-MoE block .*; set ep=1$"):
+        _paper_compile(model)
+
+
+def test_stable_toposort_moves_only_what_must_move():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.relu, (x,))
+    b = graph.call_function(torch.neg, (x,))
+    graph.output(graph.call_function(torch.add, (a, b)))
+    late = graph.call_function(torch.sin, (x,))  # created after the output, read by `a`
+    a.args = (late,)
+    stable_toposort(graph)
+    graph.lint()
+    assert [n.name for n in graph.nodes] == ["x", "neg", "sin", "relu", "add", "output"]

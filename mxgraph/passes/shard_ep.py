@@ -1,107 +1,83 @@
 """Expert parallelism on the forward graph: routed experts split over the "ep" group.
 
-Rank r of the group keeps experts [r*E/ep, (r+1)*E/ep). Blocks are found by structure
-and op, never by names. A dropless expert block is rows X [N, ...] sorted by expert,
-per-expert row counts [E] (`counts`), and the experts' computation on those rows, in
-one of two forms:
+Rank r of the group keeps experts [r*E/ep, (r+1)*E/ep). The blocks come from
+`moe_blocks.find_expert_blocks` (found by what they do, never by names); each is rewritten
+so that its rows travel to the rank that owns their expert and back, with the all-to-all
+ops of `mxgraph.runtime.collectives_ep`. Every form shares the frame
 
-  grouped:  offs = cumsum(counts); mxgraph::grouped_mm(rows, W, offs) for expert
-            weights W = a parameter [E, ...] (through transposes/permutes that keep dim 0
-            and dtype casts), with row-wise pointwise ops between them, from X to one
-            exit Y [N, ...].
-  loop:     split_with_sizes(X, [item(counts[e]) for e]); piece e runs through its own
-            chain of ops that reads expert weights only as select(W, 0, e); the chains'
-            outputs are concatenated (dim 0) into Y.
-
-Rewrite to (the all-to-all ops are `mxgraph.runtime.collectives_ep`):
-
-  recv = ep_counts(counts)                       [ep, E/ep]: rows from each rank
-  local = recv.sum(0); total = item(...)         rows per local expert; their sum
+  recv = ep_counts(counts)                       [ep, E/ep]: rows from each rank (int64)
+  local = recv.sum(0); total = item(local.sum())   rows per local expert; their sum
   X_l = ep_dispatch(X, counts, recv, total)      rows sorted by local expert
-  ... the local experts on X_l (grouped: offs = cumsum(local); loop: split by local,
-      chains of experts r*E/ep + l kept with select(W, 0, l), the others removed) ...
-  Y = ep_combine(Y_l, counts, recv, N)           back in the original row order
+  ... the local experts on X_l ...
+  Y = ep_combine(Y_l, counts, recv, N)           back in the sender's row order
 
-Received row counts are data-dependent: `total` (grouped) or each local count (loop)
-is an `item()` in the graph, an unbacked SymInt when traced, so every buffer has its
-exact size (no padding to the ep*N worst case); the counts must reach the host anyway
-for the all-to-all's split sizes.
+Matches -> Rewrite to (per form of `moe_blocks`):
+
+  grouped    G(X, W, cumsum(counts)) ... Y        G(X_l, W_l, cumsum(local)) ... Y_l
+             (counts of any dtype: cast to int64 for the exchange; the offsets keep their
+             casts and dtype)
+  gathered   W[ids] @ X ... Y, rows in token      perm = argsort(ids); counts =
+             order (HF batched_mm)                bincount(ids); X_l = ep_dispatch(X[perm]);
+                                                  ids_l = repeat_interleave(local);
+                                                  W_l[ids_l] @ X_l ... Y_l;
+                                                  Y = ep_combine(Y_l)[argsort(perm)]
+  loop/split split(X, counts)[e] -> chain_e       split(X_l, local)[l] -> chain of expert
+             (select(W, 0, e)) -> cat -> Y        r*E/ep + l with select(W_l, 0, l) -> cat
+                                                  -> Y_l; other experts' chains removed
+  loop/gather x[t_e] -> chain_e -> O_e, each      X = cat(x[t_e]); counts =
+             combined on its own                  stack(count_nonzero(mask_e)); local chains
+                                                  as above; O_e = split(Y, rows of x[t_e])[e]
+                                                  for every e (its combine unchanged)
+
+W_l is the parameter placeholder at its local shape [E/ep, ...]. Received row counts are
+data-dependent: `total` (grouped, gathered) or each local count (loop) is an `item()` in the
+graph, an unbacked SymInt when traced, checked to [0, ep * rows], so every buffer has its
+exact size (no padding to the worst case); the counts reach the host anyway for the
+all-to-all's split sizes. New nodes go where their inputs are, then a stable topological
+sort puts every node after its inputs (nodes already in order keep it).
+
+Refused with a PlanError naming the weights, the op and module that stopped the match and
+what would work: the capacity-padded form, experts held as one module each (unstacked
+weights), a block whose rows are not routed by a top-k, a match stopped partway, an expert
+weight also read outside its block, ep not dividing the experts, and finding no block.
 
 Precondition: placeholders carry meta["mx_slot_kind"]; runs before shard_tp. Guarantee:
 expert parameter placeholders carry meta["ep_shard_dim"] = 0 and their local shape
-[E/ep, ...]; meta["val"] is re-propagated. A parameter of 3 or more dims read by select,
-index or a batched GEMM outside a matched block (e.g. the capacity-padded form) raises
-PlanError, as does finding no block at all. Numerics: each row meets the same expert
-weights; only the order of the weight-gradient sums changes (not bitwise). Returns `gm`
-unchanged when ep == 1.
+[E/ep, ...] (`shard_parameters_step` cuts the model's parameters from it); meta["val"] is
+re-propagated. Numerics: each row meets the same expert weights; only the order of the
+weight-gradient sums changes (not bitwise). Returns `gm` unchanged when ep == 1.
 """
 from __future__ import annotations
 
+import heapq
 import operator
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import Graph, GraphModule, Node
 
 import mxgraph.codegen.kernels  # noqa: F401 - registers mxgraph::grouped_mm
 import mxgraph.runtime.collectives_ep  # noqa: F401 - registers the all-to-all ops
-from mxgraph.capture import set_parameter
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
-from mxgraph.ir import COPY_LIKE_OPS, ancestors, closure, descendants, insert_call, is_op
+from mxgraph.ir import insert_call
+from mxgraph.passes.moe_blocks import ExpertBlock, find_expert_blocks
+from mxgraph.passes.moe_dataflow import grouped_args, module_of, where
 from mxgraph.passes.sharding import repropagate
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
 
-GROUPED_MM = mx.grouped_mm.default  # (rows, weights [G, I, O], offs [G]) -> rows
-WEIGHT_VIEWS = COPY_LIKE_OPS | {aten.transpose.int, aten.permute.default}
-"""Ops between an expert weight [E, ...] and its GEMM that keep dim 0 (permutes checked)."""
-ROW_OPS = COPY_LIKE_OPS | {aten.type_as.default}
-"""Row-wise ops allowed between expert GEMMs, besides pointwise ones."""
-SINKS = {aten._assert_tensor_metadata.default}  # read a value, produce nothing
-EXPERT_READS = {aten.select.int, aten.index.Tensor, aten.bmm.default, aten.baddbmm.default,
-                aten.matmul.default, aten.einsum.default}
-HINT = ("expert parallelism shards dropless MoE blocks (expert_impl='grouped_mm' or "
-        "'loop', capacity_factor=None); use expert_impl='grouped_mm' or set ep=1")
 
-
-def _is_grouped_mm(node: Node) -> bool:
-    return is_op(node, GROUPED_MM)
-
-
-def _where(node: Node) -> str:
-    module = (node.meta.get("custom") or {}).get("module") or "<root>"
-    return f"{node.name} ({node.target}) in module {module}"
-
-
-def _expert_weight(node: Node) -> tuple[Node, list[Node]] | None:
-    """The parameter placeholder read whole through views that keep dim 0, and the views."""
-    chain = []
-    while node.op == "call_function" and node.target in WEIGHT_VIEWS:
-        ndim = node.args[0].meta["val"].dim()
-        if node.target is aten.transpose.int and 0 in (d % ndim for d in node.args[1:3]):
-            return None
-        if node.target is aten.permute.default and node.args[1][0] % ndim != 0:
-            return None
-        chain.append(node)
-        node = node.args[0]
-    if node.op == "placeholder" and node.meta.get("mx_slot_kind") == "param":
-        return node, chain
-    return None
-
-
-def _count_of(value) -> tuple[Node, int] | None:
-    """(counts, e) when `value` is item(unbind(counts)[e]) or item(select(counts, 0, e))."""
-    if not isinstance(value, Node) or value.target is not aten.item.default:
-        return None
-    src = value.args[0]
-    if src.target is operator.getitem and src.args[0].target is aten.unbind.int and \
-            (src.args[0].args[1:] or (0,))[0] == 0:
-        return src.args[0].args[0], src.args[1]
-    if src.target is aten.select.int and src.args[1] == 0:
-        return src.args[0], src.args[2]
-    return None
+def _weights_text(block: ExpertBlock, node: Node | None = None) -> str:
+    """The block's expert weights for a message: the one `node` reads (through views), or
+    the first, with its shape."""
+    reading = [w for w in block.weights if node in w.reads or
+               any(v in node.all_input_nodes for v in w.views) or w.param in node.all_input_nodes
+               ] if node is not None else []
+    weight = (reading or block.weights)[0]
+    return f"{weight.param.meta.get('mx_slot_key', weight.param.name)} " \
+           f"{list(weight.param.meta['val'].shape)}"
 
 
 class _ExpertSharder:
@@ -113,278 +89,231 @@ class _ExpertSharder:
         self.params: dict[Node, int] = {}  # expert weight placeholder -> E
         self.covered: set[Node] = set()  # nodes allowed to read expert weights
         self.dead: list[Node] = []  # nodes to remove once unused
-        self.data = self._data_dependent()
         self.order = {n: i for i, n in enumerate(self.graph.nodes)}
 
-    def _data_dependent(self) -> set[Node]:
-        data = set()
-        for node in self.graph.nodes:
-            if (node.op == "placeholder" and node.meta.get("mx_slot_kind") == "input") or (
-                    node.op == "call_function" and any(a in data for a in node.all_input_nodes)):
-                data.add(node)
-        return data
-
-    # ---- helpers ----------------------------------------------------------------------
-    def call(self, target, args, like: Node) -> Node:
-        """`target(*args)` at the insertion point, with `like`'s provenance and no fake value
-        (the pass re-propagates)."""
-        return insert_call(self.graph, target, args, like=like, val=None)
-
-    def num_experts(self, counts: Node, where: Node) -> int:
-        value = counts.meta.get("val")
-        if not isinstance(value, torch.Tensor) or value.dim() != 1:
-            raise PlanError(f"ep={self.ep}: the expert counts of {_where(where)} are not a "
-                            f"1-D tensor; {HINT}")
-        num = int(value.shape[0])
+    # ---- checks -----------------------------------------------------------------------
+    def check(self, block: ExpertBlock) -> None:
+        """PlanError for a block this pass cannot shard."""
+        if block.problem is not None:
+            problem = block.problem
+            raise PlanError(f"expert parallelism (ep={self.ep}) found the expert weights "
+                            f"{_weights_text(block, problem.node)} read by "
+                            f"{where(problem.node)}, {problem.reason}; {problem.remedy}")
+        num = block.num_experts
         if num % self.ep:
             raise PlanError(f"ep={self.ep} does not divide the number of routed experts "
-                            f"{num} ({_where(where)}); choose ep in {divisors(num)} (ep must "
-                            f"also divide dp)")
-        return num
+                            f"{num} ({_weights_text(block)} at {module_of(block.first())}); "
+                            f"choose ep in {divisors(num)} (ep must also divide dp)")
+        for weight in block.weights:
+            self.params[weight.param] = num
+            self.covered.update(weight.reads + weight.views)
 
-    def add_param(self, param: Node, num: int, where: Node) -> None:
-        if int(param.meta["val"].shape[0]) != num:
-            raise PlanError(f"ep={self.ep}: {param.name} {list(param.meta['val'].shape)} is "
-                            f"read as expert weights by {_where(where)}, but the block has "
-                            f"{num} experts; {HINT}")
-        self.params[param] = num
+    def check_unsharded(self) -> None:
+        """Every read of an expert weight belongs to its block."""
+        for param in self.params:
+            for user in param.users:
+                if user not in self.covered:
+                    raise PlanError(
+                        f"expert parallelism (ep={self.ep}) found the expert weights "
+                        f"{param.meta.get('mx_slot_key', param.name)} "
+                        f"{list(param.meta['val'].shape)} also read by {where(user)}, "
+                        f"outside their expert block; this rank would hold only its experts' "
+                        f"part; read them only in the block or set ep=1")
 
-    def exchange(self, counts: Node, like: Node) -> tuple[Node, Node]:
-        """recv = ep_counts(counts); local = recv.sum(0), before `like`."""
-        with self.graph.inserting_before(like):
-            recv = self.call(mx.ep_counts.default, (counts, self.group), like)
-            local = self.call(aten.sum.dim_IntList, (recv, [0]), like)
-        return recv, local
+    # ---- helpers ----------------------------------------------------------------------
+    def after(self, node: Node):
+        """Insert the next nodes right after `node`, in the order they are created (fx's
+        `inserting_after` puts each new node first)."""
+        return self.graph.inserting_before(node.next)
+
+    def call(self, target, args, like: Node, kwargs=None) -> Node:
+        """`target(*args)` at the insertion point, with `like`'s provenance and no fake value
+        (the pass re-propagates)."""
+        return insert_call(self.graph, target, args, kwargs, like=like, val=None)
+
+    def exchange(self, counts: Node, like: Node) -> tuple[Node, Node, Node]:
+        """(counts as int64, recv = ep_counts(counts), local = recv.sum(0)); counts the
+        pass built (no meta["val"] yet) are int64 already."""
+        if "val" in counts.meta and counts.meta["val"].dtype != torch.int64:
+            counts = self.call(aten._to_copy.default, (counts,), like, {"dtype": torch.int64})
+        recv = self.call(mx.ep_counts.default, (counts, self.group), like)
+        return counts, recv, self.call(aten.sum.dim_IntList, (recv, [0]), like)
 
     def item(self, tensor: Node, like: Node, upper: int) -> Node:
         """item(tensor), a received row count, with torch._check(0 <= value <= upper)
-        (the bound gives memory estimates a worst case), before `like`."""
-        with self.graph.inserting_before(like):
-            value = self.call(aten.item.default, (tensor,), like)
-            for compare, bound in ((operator.ge, 0), (operator.le, upper)):
-                check = self.call(compare, (value, bound), like)
-                self.call(aten._assert_scalar.default,
-                          (check, f"expert parallelism: {like.name} receives a row count "
-                                  f"outside [0, {upper}]"), like)
+        (the bound gives memory estimates a worst case)."""
+        value = self.call(aten.item.default, (tensor,), like)
+        for compare, bound in ((operator.ge, 0), (operator.le, upper)):
+            check = self.call(compare, (value, bound), like)
+            self.call(aten._assert_scalar.default,
+                      (check, f"expert parallelism: an expert at {module_of(like)} receives "
+                              f"a row count outside [0, {upper}]"), like)
         return value
 
-    def combine(self, y: Node, counts: Node, recv: Node, rows: int) -> Node:
-        with self.graph.inserting_after(y):
-            out = self.call(mx.ep_combine.default, (y, counts, recv, rows, self.group), y)
-        y.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out)
-        return out
-
-    def static_rows(self, x: Node, where: Node) -> int:
+    def static_rows(self, x: Node, block: ExpertBlock) -> int:
         rows = x.meta["val"].shape[0]
         if not isinstance(rows, int):
-            raise PlanError(f"ep={self.ep}: the sorted rows {x.name} of {_where(where)} have "
-                            f"a data-dependent count {rows}; {HINT}")
+            raise PlanError(f"ep={self.ep}: the rows {x.name} entering the experts at "
+                            f"{module_of(block.first())} have a data-dependent count {rows}; expert "
+                            f"parallelism needs a fixed number of (token, choice) rows")
         return rows
 
-    def check_outside(self, node: Node, where: Node) -> None:
-        if node in self.data:
-            raise PlanError(f"ep={self.ep}: {_where(where)} reads {node.name}, a value with "
-                            f"rows other than the expert block's sorted rows; {HINT}")
+    def dispatch(self, x: Node, counts: Node, recv: Node, local: Node, rows: int,
+                 like: Node) -> Node:
+        total = self.item(self.call(aten.sum.default, (local,), like), like, self.ep * rows)
+        return self.call(mx.ep_dispatch.default, (x, counts, recv, total, self.group), like)
 
-    # ---- grouped form -----------------------------------------------------------------
-    def grouped(self, gmms: list[Node]) -> None:
-        offs = gmms[0].args[2]
-        if offs.target is not aten.cumsum.default or offs.args[1] not in (0, -1):
-            raise PlanError(f"ep={self.ep}: the offsets {offs.name} of {_where(gmms[0])} are "
-                            f"not cumsum(per-expert counts); {HINT}")
-        counts = offs.args[0]
-        num = self.num_experts(counts, gmms[0])
-        for gmm in gmms:
-            found = _expert_weight(gmm.args[1])
-            if found is None:
-                raise PlanError(f"ep={self.ep}: the weights of {_where(gmm)} are not a "
-                                f"parameter [E, ...] read whole; {HINT}")
-            self.add_param(found[0], num, gmm)
-            self.covered.update(found[1] + [gmm])
-        gset = set(gmms)
-        region = self._between(gmms)
-        entries = {g.args[0] for g in gmms if g.args[0] not in region}
-        if len(entries) != 1:
-            raise PlanError(f"ep={self.ep}: the expert GEMMs around {_where(gmms[0])} read "
-                            f"rows from {len(entries)} tensors, not one sorted-rows tensor; "
-                            f"{HINT}")
-        x = entries.pop()
-        for node in region - gset:
-            if node.op != "call_function" or not (
-                    node.target in ROW_OPS or (isinstance(node.target, torch._ops.OpOverload)
-                                               and torch.Tag.pointwise in node.target.tags)):
-                raise PlanError(f"ep={self.ep}: {_where(node)} between expert GEMMs is not "
-                                f"row-wise; {HINT}")
-            for arg in node.all_input_nodes:
-                if arg not in region and arg is not x:
-                    self.check_outside(arg, node)
-        exits = [n for n in region if any(u not in region and u.target not in SINKS
-                                          for u in n.users)]
-        if len(exits) != 1:
-            raise PlanError(f"ep={self.ep}: the expert block of {_where(gmms[0])} has "
-                            f"{len(exits)} outputs, not one; {HINT}")
-        rows = self.static_rows(x, gmms[0])
-        first = min(gmms, key=lambda n: self.order[n])
-        recv, local = self.exchange(counts, first)
-        with self.graph.inserting_before(first):
-            total_t = self.call(aten.sum.default, (local,), first)
-        total = self.item(total_t, first, self.ep * rows)  # ep ranks send <= N rows
-        with self.graph.inserting_before(first):
-            x_local = self.call(mx.ep_dispatch.default, (x, counts, recv, total, self.group),
-                                first)
-            offs_local = insert_call(self.graph, aten.cumsum.default,
-                                     (local,) + tuple(offs.args[1:]), offs.kwargs, like=offs,
-                                     val=None)
-        for node in region:
+    def combine(self, y: Node, counts: Node, recv: Node, rows, keep: set[Node]) -> Node:
+        """ep_combine(y) right after `y`; every user of `y` outside `keep` reads it."""
+        with self.after(y):
+            out = self.call(mx.ep_combine.default, (y, counts, recv, rows, self.group), y)
+        y.replace_all_uses_with(out, delete_user_cb=lambda u: u is not out and u not in keep)
+        return out
+
+    # ---- forms ------------------------------------------------------------------------
+    def grouped(self, block: ExpertBlock) -> None:
+        x, rows = block.rows, self.static_rows(block.rows, block)
+        cumsum = block.offsets[-1]
+        with self.after(x):
+            counts, recv, local = self.exchange(block.counts, x)
+            x_local = self.dispatch(x, counts, recv, local, rows, x)
+            offs_local = self.call(aten.cumsum.default, (local,) + tuple(cumsum.args[1:]),
+                                   cumsum, cumsum.kwargs)
+            for convert in reversed(block.offsets[:-1]):
+                offs_local = self.call(convert.target, (offs_local,) + tuple(convert.args[1:]),
+                                       convert, convert.kwargs)
+        for node in block.nodes:
             node.replace_input_with(x, x_local)
-        for gmm in gmms:
-            gmm.replace_input_with(offs, offs_local)
-        self.combine(exits[0], counts, recv, rows)
+        for gemm in block.gemms:
+            gemm.replace_input_with(grouped_args(gemm)[2], offs_local)
+        self.combine(block.exit, counts, recv, rows, block.nodes)
 
-    def _between(self, gmms: list[Node]) -> set[Node]:
-        """Nodes on a path from one expert GEMM to another (the GEMMs included)."""
-        down = descendants(gmms)
-        up = ancestors(gmms, keep=down.__contains__)
-        return down & up
+    def gathered(self, block: ExpertBlock) -> None:
+        x, ids, rows = block.rows, block.expert_ids, self.static_rows(block.rows, block)
+        num = block.num_experts
+        with self.after(x):
+            perm = self.call(aten.argsort.stable, (ids,), x, {"stable": True})
+            zeros = self.call(aten.zeros.default, ([num],), x,
+                              {"dtype": torch.int64, "device": ids.meta["val"].device})
+            ones = self.call(aten.ones_like.default, (ids,), x)
+            counts = self.call(aten.scatter_add.default, (zeros, 0, ids, ones), x)
+            counts, recv, local = self.exchange(counts, x)
+            x_sorted = self.call(aten.index.Tensor, (x, [perm]), x)
+            x_local = self.dispatch(x_sorted, counts, recv, local, rows, x)
+            total = x_local.args[3]
+            # local expert l repeated local[l] times: each received row's local expert
+            ids_local = self.call(aten.repeat_interleave.Tensor, (local,), x,
+                                  {"output_size": total})
+        for node in block.nodes:
+            node.replace_input_with(x, x_local)
+        for weight in block.weights:
+            for read in weight.reads:
+                read.replace_input_with(ids, ids_local)
+        y = self.combine(block.exit, counts, recv, rows, block.nodes)
+        with self.after(y):
+            inverse = self.call(aten.argsort.stable, (perm,), y, {"stable": True})
+            unsorted = self.call(aten.index.Tensor, (y, [inverse]), y)
+        y.replace_all_uses_with(unsorted, delete_user_cb=lambda u: u is not unsorted)
 
-    # ---- loop form --------------------------------------------------------------------
-    def loop(self, split: Node) -> None:
-        sizes = split.args[1]
-        sources = [_count_of(s) for s in sizes]
-        counts = sources[0][0]
-        num = self.num_experts(counts, split)
-        if len(sizes) != num or any(s is None or s != (counts, e)
-                                    for e, s in enumerate(sources)):
-            raise PlanError(f"ep={self.ep}: {_where(split)} does not split the sorted rows "
-                            f"by the per-expert counts in expert order; {HINT}")
-        x = split.args[0]
-        rows = self.static_rows(x, split)
-        pieces = {u.args[1]: u for u in split.users if u.target is operator.getitem}
-        if sorted(pieces) != list(range(num)) or len(split.users) != num:
-            raise PlanError(f"ep={self.ep}: not every expert's rows of {_where(split)} are "
-                            f"used once; {HINT}")
-
-        def is_cat(n):  # of every expert's output
-            return n.target is aten.cat.default and len(n.args[0]) == num
-
-        chains = [closure([pieces[e]], lambda n: n.users, stop=is_cat) for e in range(num)]
-        cats = {n for chain in chains for n in chain if is_cat(n)}
-        cat = cats.pop() if len(cats) == 1 else None
-        if cat is None or (cat.args[1:] or (0,))[0] != 0:
-            raise PlanError(f"ep={self.ep}: the expert outputs of {_where(split)} are not "
-                            f"concatenated by one cat along dim 0 in expert order; {HINT}")
-        checked = [self._chain(e, chains[e] - {cat}, pieces[e], cat, num) for e in range(num)]
-        local = num // self.ep
-        first = self.rank * local
-        recv, local_counts = self.exchange(counts, split)
-        with self.graph.inserting_before(split):
-            unbound = self.call(aten.unbind.int, (local_counts,), split)
-            parts = [self.call(operator.getitem, (unbound, i), split) for i in range(local)]
-        sizes_local = [self.item(p, split, self.ep * rows) for p in parts]
-        with self.graph.inserting_before(split):
-            total = sizes_local[0]
-            for size in sizes_local[1:]:
-                total = self.call(operator.add, (total, size), split)
+    def loop(self, block: ExpertBlock) -> None:
+        num, local_num = block.num_experts, block.num_experts // self.ep
+        first = self.rank * local_num
+        mine = range(first, first + local_num)
+        if block.rows is not None:  # split: X and counts are in the graph
+            x, counts_in = block.rows, block.counts
+            rows = self.static_rows(x, block)
+            upper = self.ep * rows
+            at = max([x, counts_in], key=self.order.get)
+        else:  # gather: X = cat(pieces), counts from the masks
+            at = max(block.pieces + block.masks, key=self.order.get)
+            with self.after(at):
+                x = self.call(aten.cat.default, (list(block.pieces),), at)
+                sizes = [self.call(aten.sym_size.int, (p, 0), at) for p in block.pieces]
+                rows = sizes[0]
+                for size in sizes[1:]:
+                    rows = self.call(operator.add, (rows, size), at)
+                counts_in = self.call(aten.stack.default, (
+                    [self.call(aten.count_nonzero.default, (m,), at) for m in block.masks],), at)
+            at = counts_in
+            upper = self.ep * int(block.masks[0].meta["val"].numel())
+        with self.after(at):
+            counts, recv, local_counts = self.exchange(counts_in, at)
+            unbound = self.call(aten.unbind.int, (local_counts,), at)
+            local_sizes = [self.item(self.call(operator.getitem, (unbound, i), at), at, upper)
+                           for i in range(local_num)]
+            total = local_sizes[0]
+            for size in local_sizes[1:]:
+                total = self.call(operator.add, (total, size), at)
             x_local = self.call(mx.ep_dispatch.default, (x, counts, recv, total, self.group),
-                                split)
-            new_split = self.call(aten.split_with_sizes.default, (x_local, sizes_local), split)
-            new_pieces = [self.call(operator.getitem, (new_split, i), split)
-                          for i in range(local)]
-        for i in range(local):
-            pieces[first + i].replace_all_uses_with(new_pieces[i])
-            for select in checked[first + i][0]:
+                                at)
+            split = self.call(aten.split_with_sizes.default, (x_local, local_sizes), at)
+            pieces = [self.call(operator.getitem, (split, i), at) for i in range(local_num)]
+        for i, e in enumerate(mine):
+            for node in block.chains[e]:
+                node.replace_input_with(block.pieces[e], pieces[i])
+            for select in block.selects[e]:
                 select.args = (select.args[0], 0, i)
-        with self.graph.inserting_before(cat):
-            y_local = self.call(aten.cat.default,
-                                ([cat.args[0][first + i] for i in range(local)], 0), cat)
-        self.combine(cat, counts, recv, rows)
-        cat.replace_all_uses_with(y_local)  # the combine read `cat`; now it reads y_local
-        self.dead += [cat, split] + list(pieces.values())
+        last = max((block.outputs[e] for e in mine), key=self.order.get)
+        with self.after(last):
+            y_local = self.call(aten.cat.default, ([block.outputs[e] for e in mine], 0), last)
+        with self.after(y_local):
+            y = self.call(mx.ep_combine.default, (y_local, counts, recv, rows, self.group),
+                          y_local)
+        if block.exit is not None:  # split: the cat of every expert's output
+            block.exit.replace_all_uses_with(y)
+            self.dead += [block.exit, block.pieces[0].args[0]] + list(block.pieces)
+        else:  # gather: each expert's output, from its rows of Y
+            with self.after(y):
+                back = self.call(aten.split_with_sizes.default, (y, sizes), y)
+                outs = [self.call(operator.getitem, (back, e), y) for e in range(num)]
+            for e, output in enumerate(block.outputs):
+                output.replace_all_uses_with(outs[e], delete_user_cb=lambda u, e=e: (
+                    u not in block.chains[e] and u is not y_local))
         for e in range(num):
-            if not first <= e < first + local:
-                self.dead += list(chains[e] - {cat}) + checked[e][1]
-
-    def _chain(self, e: int, chain: set[Node], piece: Node, cat: Node, num: int
-               ) -> tuple[list[Node], list[Node]]:
-        """Check expert e's chain: its rows come from `piece` only, expert weights are read
-        as select(W, 0, e), its value leaves only through cat input e. Returns the selects
-        and the other nodes the chain reads (weights, constants: removed with the chain
-        when unused)."""
-        if cat.args[0][e] not in chain:
-            raise PlanError(f"ep={self.ep}: expert {e}'s output is not input {e} of "
-                            f"{_where(cat)}; {HINT}")
-        for node in chain:
-            outside = [u for u in node.users if u not in chain and u.target not in SINKS]
-            if outside and (outside != [cat] or node is not cat.args[0][e]):
-                raise PlanError(f"ep={self.ep}: {_where(node)} of expert {e} is read outside "
-                                f"the expert ({outside[0].name}); {HINT}")
-        weight_side, selects = set(), []
-        todo = [a for n in chain - {piece} for a in n.all_input_nodes if a not in chain]
-        while todo:
-            node = todo.pop()
-            if node in weight_side:
-                continue
-            self.check_outside(node, cat)
-            weight_side.add(node)
-            if node.target is aten.select.int and node.args[0].op == "placeholder" and \
-                    node.args[0].meta.get("mx_slot_kind") == "param" and \
-                    node.args[0].meta["val"].dim() >= 3:
-                if node.args[1] != 0 or node.args[2] != e:
-                    raise PlanError(f"ep={self.ep}: expert {e}'s rows meet {_where(node)}, "
-                                    f"not select(weights, 0, {e}); {HINT}")
-                self.add_param(node.args[0], num, node)
-                selects.append(node)
-            elif node.op == "call_function":
-                todo.extend(node.all_input_nodes)
-        derived = descendants(selects, keep=weight_side.__contains__)
-        for node in derived:
-            if any(u not in chain and u not in weight_side for u in node.users):
-                raise PlanError(f"ep={self.ep}: {_where(node)} feeds expert {e} and other "
-                                f"computation; {HINT}")
-        self.covered.update(selects)
-        return selects, [n for n in weight_side if n.op == "call_function"]
+            if e not in mine:
+                self.dead += list(block.chains[e] - {block.pieces[e]}) + \
+                    list(block.weight_nodes[e])
 
     # ---- driver -----------------------------------------------------------------------
     def run(self) -> None:
-        by_offs: dict[Node, list[Node]] = {}
-        splits = []
-        for node in self.graph.nodes:
-            if _is_grouped_mm(node):
-                by_offs.setdefault(node.args[2], []).append(node)
-            elif node.target is aten.split_with_sizes.default and \
-                    _count_of(node.args[1][0]) is not None:
-                splits.append(node)
-        if not by_offs and not splits:
-            self.check_unsharded()
-            raise PlanError(f"ep={self.ep}: found no dropless expert block to shard; {HINT}")
-        for gmms in by_offs.values():
-            self.grouped(gmms)
-        for split in splits:
-            self.loop(split)
+        blocks = find_expert_blocks(self.gm)
+        if not blocks:
+            raise PlanError(f"expert parallelism (ep={self.ep}) found no routed-MoE block "
+                            f"(a top-k whose indices route tokens to expert weights stacked "
+                            f"[E, ...]) in this model; set ep=1")
+        for block in blocks:
+            self.check(block)
         self.check_unsharded()
-        for node in sorted(set(self.dead), key=lambda n: self.order[n], reverse=True):
-            if not node.users:
+        for block in blocks:
+            getattr(self, block.form)(block)
+        for node in sorted(set(self.dead), key=lambda n: self.order.get(n, -1), reverse=True):
+            if not node.users and node.graph is self.graph:
                 self.graph.erase_node(node)
+        stable_toposort(self.graph)
 
-    def check_unsharded(self) -> None:
-        """Every read of an expert weight is covered; no other expert-like weight is read
-        per expert (a form this pass does not know would be left unsharded)."""
-        for param, num in self.params.items():
-            for user in param.users:
-                if user not in self.covered:
-                    raise PlanError(f"ep={self.ep}: expert weights {param.name} are also read "
-                                    f"by {_where(user)}; {HINT}")
-        for node in self.graph.find_nodes(op="placeholder"):
-            if node in self.params or node.meta.get("mx_slot_kind") != "param" or \
-                    node.meta["val"].dim() < 3:
-                continue
-            reads = closure([node], lambda n: n.users if n is node or (
-                n.target in WEIGHT_VIEWS) else [])
-            bad = [n for n in reads if n.target in EXPERT_READS or _is_grouped_mm(n)]
-            if bad:
-                raise PlanError(f"ep={self.ep}: {node.name} {list(node.meta['val'].shape)} is "
-                                f"read per expert by {_where(bad[0])}, a form expert "
-                                f"parallelism cannot shard; {HINT}")
+
+def stable_toposort(graph: Graph) -> None:
+    """Reorder `graph` so that every node follows its inputs, keeping the current order
+    wherever it already does: a node moves only if it reads one placed after it (a node
+    a rewrite inserted later), and then only as far as that input."""
+    nodes = list(graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: len(n.all_input_nodes) for n in nodes}
+    ready = [(position[n], n) for n in nodes if waiting[n] == 0 and n.op != "output"]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        order.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if waiting[user] == 0 and user.op != "output":
+                heapq.heappush(ready, (position[user], user))
+    output = [n for n in nodes if n.op == "output"]
+    if len(order) + len(output) != len(nodes):
+        raise RuntimeError("stable_toposort: the graph has a cycle")
+    for before, node in zip(order, order[1:] + output):
+        before.append(node)
 
 
 def shard_ep_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
@@ -399,27 +328,4 @@ def shard_ep_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
                                    *node.meta["val"].shape[1:]] for node in sharder.params})
 
 
-def shard_expert_parameters(model: torch.nn.Module, gm: GraphModule,
-                            ctx: CompileContext) -> set[int]:
-    """Replace each expert parameter the pass sharded by this rank's experts (dim 0), in
-    the model itself (every alias too). Returns the ids of the local expert parameters
-    (their gradients are reduced over "edp", not "dp")."""
-    if ctx.mesh is None or ctx.mesh.sizes["ep"] == 1:
-        return set()
-    ep, rank = ctx.mesh.sizes["ep"], ctx.mesh.coords["ep"]
-    named = dict(model.named_parameters(remove_duplicate=False))
-    ids = set()
-    for node in gm.graph.find_nodes(op="placeholder"):
-        if node.meta.get("ep_shard_dim") is None:
-            continue
-        full = named[node.meta["mx_slot_key"]]
-        if full.shape == node.meta["val"].shape:
-            ids.add(id(full))  # already sharded by an earlier compile
-            continue
-        shard = torch.nn.Parameter(full.detach().chunk(ep, 0)[rank].clone(),
-                                   requires_grad=full.requires_grad)
-        for name, param in named.items():
-            if param is full:
-                set_parameter(model, name, shard)
-        ids.add(id(shard))
-    return ids
+__all__ = ["shard_ep_pass", "stable_toposort"]
