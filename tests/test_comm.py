@@ -178,3 +178,40 @@ def test_inspect_comm_prints_the_table(tmp_path, capsys):
     assert lines[("tp", "all_reduce")][-1] == f"{tp_bytes / 2**20:.2f}"
     assert lines[("dp", "all_reduce")][-1] == \
         f"{(llama_param_bytes(cfg, tp=2) + 4) / 2**20:.2f}"
+
+
+def hf(family: str):
+    from mxgraph.hf import TINY, build_hf_model
+    return build_hf_model(f"hf:{family}", TINY[family])
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_tp2_volume_equals_megatrons_formula(family):
+    """A Hugging Face model under tp=2 moves what Megatron-LM's formula says (the terms of
+    `benchmarks/bench_comm.py`, counted as in test_tp2_all_reduces_equal_hand_count): no
+    hidden gathers."""
+    model = hf(family)
+    cfg = model.model.config
+    layers, bsh = cfg.num_hidden_layers, B * S * cfg.hidden_size * F32
+    rep = report(model, Plan(tp=2))
+    assert rep.total("tp", "all_reduce", "forward") == 2 * layers * bsh + bsh + 3 * B * S * 4
+    assert rep.total("tp", "all_reduce", "backward") == 2 * layers * bsh + bsh
+    assert rep.total() == rep.total("tp", "all_reduce")  # nothing else: no gathers, dp = 1
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hf_sequence_parallel_volume_equals_megatrons_formula(family):
+    model = hf(family)
+    cfg = model.model.config
+    layers, h = cfg.num_hidden_layers, cfg.hidden_size
+    bsh = B * S * h * F32
+    rep = report(model, Plan(tp=2, sequence_parallel=True))
+    # GPT-2's learned positions [1, s, h] are sliced to the sequence shard (the word
+    # embedding is reduce-scattered); the slice's backward gathers their gradient, s·h·e
+    positions = S * h * F32 if family == "gpt2" else 0
+    assert rep.total("tp", "all_gather") == (4 * layers + 2) * bsh + positions
+    assert rep.total("tp", "reduce_scatter") == (4 * layers + 2) * bsh
+    norms = (2 * layers + 1) * h * F32 * (2 if family == "gpt2" else 1)  # LayerNorm: + bias
+    # GPT-2's row-parallel biases are added on the sequence shard: their gradients sum too
+    biases = 2 * layers * h * F32 if family == "gpt2" else 0
+    assert rep.total("tp", "all_reduce") == norms + biases + 3 * B * S * 4

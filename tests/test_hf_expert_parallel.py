@@ -9,7 +9,7 @@ the global batch (`tests/test_pipeline_exec.py`'s helpers: this rank's part of e
 reference tensor by `step.layouts`). One set of 4 processes runs every layout (start-up
 and tracing dominate): ep=2 (dp=4, so edp=2) and tp=2 x ep=2 (dp=2, edp=1), with the
 default experts ("grouped_mm": transformers::grouped_mm_fallback in fp32) and
-"batched_mm" (per-row gathered weights). Qwen2-MoE under tp=2 stops in shard_tp (xfail).
+"batched_mm" (per-row gathered weights).
 """
 import copy
 import functools
@@ -18,9 +18,6 @@ import pytest
 import torch
 
 import mxgraph as mx
-from mxgraph.context import CompileContext
-from mxgraph.driver import compile_step
-from mxgraph.runtime.mesh import Mesh
 from tests.distributed import run_ranks
 from tests.helpers import rel_err
 from tests.test_pipeline_exec import GRAD_TOL, LOSS_TOL, assert_like_reference, largest_norm
@@ -34,7 +31,8 @@ CASES = [("mixtral", None, dict(ep=2), 1e-2),
          ("qwen2_moe", None, dict(ep=2), 1e-2),
          ("mixtral", "batched_mm", dict(ep=2), 1e-2),
          ("mixtral", None, dict(tp=2, ep=2), 1e-3),
-         ("mixtral", "batched_mm", dict(tp=2, ep=2), 1e-3)]
+         ("mixtral", "batched_mm", dict(tp=2, ep=2), 1e-3),
+         ("qwen2_moe", None, dict(tp=2, ep=2), 1e-3)]
 
 
 def build(family: str, experts: str | None = None):
@@ -89,19 +87,3 @@ def _every_case(rank, world, cases):
 
 def test_hf_moe_ep_layouts_on_4_ranks():
     run_ranks(4, _every_case, CASES)
-
-
-@pytest.mark.xfail(raises=mx.PlanError, strict=True,
-                   reason="shard_tp (TensorSharder.choose) raises for Qwen2-MoE's "
-                          "shared_expert_gate.weight [1, 64]: a column-parallel choice whose "
-                          "output dim 1 tp=2 cannot divide; leaving it replicated compiles "
-                          "and matches (checked by hand)")
-def test_qwen2_moe_tp2_ep2_shards():
-    """Qwen2-MoE under tp=2 x ep=2, as far as the sharding passes (one process, a paper
-    mesh); when it compiles, add ("qwen2_moe", None, dict(tp=2, ep=2), 1e-3) to CASES."""
-    model = build("qwen2_moe")
-    plan = mx.Plan(tp=2, ep=2)
-    mesh = Mesh.on_paper(tp=2, dp=2, ep=2)
-    tokens = torch.randint(0, 256, (2, 16))
-    compile_step(model, plan, mesh, CompileContext(plan=plan, mesh=mesh), (tokens, tokens), {},
-                 stop_after="shard_tp")

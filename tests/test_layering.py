@@ -15,8 +15,9 @@ ENTRANCES = {"mxgraph", "mxgraph.compile", "mxgraph.step", "mxgraph.step_adaptiv
 MODELS_ALLOWED = {"mxgraph.cli", "mxgraph.train", "mxgraph.inspect", "mxgraph.memory_plan"}
 """The entrances that build presets by name may import `models`; the compiler may not."""
 LINE_BUDGET = 500
-OVER_BUDGET = {"mxgraph/passes/shard_tp.py": 580}
-"""Files over the budget today, each held to its present size (the sharding core splits it)."""
+OVER_BUDGET: dict[str, int] = {}
+"""Files over the budget today, each held to its present size (none: the sharding core
+split shard_tp.py)."""
 
 
 def layer(module: str) -> int:

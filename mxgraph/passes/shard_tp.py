@@ -223,12 +223,24 @@ def context_parallel_rule(s: TensorSharder, node: Node):
     return have
 
 
-def _sequence_dim(sharder: TensorSharder):
-    def dim(value: Node) -> int | None:
+def _sequence_shard(sharder: TensorSharder, gm: GraphModule):
+    """The sequence shard of a value: dim -2 of `[..., s, h]`, or, for `[b*s, h]` (a linear
+    written on flattened tokens, as GPT-2's Conv1D), dim 0 in `b` runs (`Shard(0, outer=b)`),
+    with `[b, s]` the shape of the token input (the first 2-d integer input)."""
+    n = sharder.axis.size
+    tokens = [p.meta["val"].shape for p in gm.graph.find_nodes(op="placeholder")
+              if isinstance(p.meta.get("val"), torch.Tensor) and p.meta["val"].ndim == 2 and
+              not p.meta["val"].is_floating_point()]
+    batch, seq = tokens[0] if tokens else (None, None)
+
+    def shard(value: Node) -> Shard | None:
         shape = value.meta["val"].shape
-        return len(shape) - 2 if len(shape) >= 3 and shape[-2] % sharder.axis.size == 0 \
-            else None
-    return dim
+        if len(shape) >= 3 and shape[-2] % n == 0:
+            return Shard(len(shape) - 2)
+        if len(shape) == 2 and batch is not None and shape[0] == batch * seq and seq % n == 0:
+            return Shard(0, outer=batch)
+        return None
+    return shard
 
 
 def tp_axis(ctx: CompileContext) -> AxisOps:
@@ -243,7 +255,7 @@ def _sharder(gm: GraphModule, ctx: CompileContext, keep: set[str]) -> TensorShar
     sharder = TensorSharder(gm, tp_axis(ctx), TP, strict=ctx.plan.strict_sharding,
                             keep_replicated=set(keep))
     if ctx.plan.sequence_parallel:
-        sharder.sequence_dim = _sequence_dim(sharder)
+        sharder.sequence_shard = _sequence_shard(sharder, gm)
     return sharder
 
 

@@ -125,8 +125,8 @@ class Sharder:
     """Parameter placeholder -> the placement chosen for it."""
     blocks: dict[Node, list[int]] = field(default_factory=dict)
     """Parameter -> sizes of the pieces of a fused projection split along its dim 0."""
-    sequence_dim: Callable[[Node], int | None] | None = None
-    """The dim a partial value is reduce-scattered along (sequence parallelism), if any."""
+    sequence_shard: Callable[[Node], Shard | None] | None = None
+    """The shard a partial value is reduce-scattered to (sequence parallelism), if any."""
     keep_replicated: set = field(default_factory=set)
     """Parameters a rule must leave replicated (set between runs by the caller)."""
     fallbacks: list[Fallback] = field(default_factory=list)
@@ -170,9 +170,9 @@ class Sharder:
 
     def reduce_target(self, value: Node):
         """Where a partial value goes when a consumer needs it summed: the sequence shard
-        with `sequence_dim` (TP's sequence parallelism), else replicated."""
-        dim = self.sequence_dim(value) if self.sequence_dim is not None else None
-        return Shard(dim) if dim is not None and self.axis.reduce_scatter is not None else R
+        with `sequence_shard` (TP's sequence parallelism), else replicated."""
+        shard = self.sequence_shard(value) if self.sequence_shard is not None else None
+        return shard if shard is not None and self.axis.reduce_scatter is not None else R
 
     def need(self, user: Node, value, placement, split_user: bool | None = None) -> Node:
         """`value` in `placement` for `user` (redistributed once, before the first user
@@ -191,6 +191,17 @@ class Sharder:
     def _redistribute(self, user, value, have, want, split: bool) -> Node:
         ax = self.axis
         if isinstance(have, Partial):
+            if isinstance(want, Shard) and want.outer != 1:  # split the dim, scatter, merge
+                full = self.full(value)
+                runs = full[:want.dim] + [want.outer, full[want.dim] // want.outer] + \
+                    full[want.dim + 1:]
+                parts = self.insert(user, torch.ops.aten.reshape.default, (value, runs),
+                                    placement=have)
+                part = self.collective(user, ax.reduce_scatter, (parts, want.dim + 1, ax.group),
+                                       Shard(want.dim + 1))
+                local = full[:want.dim] + [full[want.dim] // ax.size] + full[want.dim + 1:]
+                return self.insert(user, torch.ops.aten.reshape.default, (part, local),
+                                   val=value.meta["val"], placement=want)
             if isinstance(want, Shard):
                 return self.collective(user, ax.reduce_scatter, (value, want.dim, ax.group), want)
             reduced = self.collective(user, ax.all_reduce, (value, ax.group), R)
@@ -199,13 +210,15 @@ class Sharder:
             if have.outer != 1:  # split the merged dim, gather the sharded part, merge back
                 full = self.full(value)
                 inner = full[have.dim] // have.outer
-                split = full[:have.dim] + [have.outer, inner] + full[have.dim + 1:]
+                runs = full[:have.dim] + [have.outer, inner] + full[have.dim + 1:]
                 local = full[:have.dim] + [have.outer, inner // ax.size] + full[have.dim + 1:]
                 split_view = self.insert(user, torch.ops.aten.reshape.default, (value, local),
-                                         val=value.meta["val"].reshape(split),
+                                         val=value.meta["val"].reshape(runs),
                                          placement=Shard(have.dim + 1))
                 whole = self._redistribute(user, split_view, Shard(have.dim + 1), R, split)
                 merged = self.insert(user, torch.ops.aten.reshape.default, (whole, full))
+                if whole in self._copies:  # a view of the gather: no copy after it either
+                    self._copies[merged] = merged
                 return self._redistribute(user, merged, R, want, split) if want != R else merged
             gather = ax.gather_split if split else ax.all_gather
             whole = self.collective(user, gather, (value, have.dim, ax.group), R)
@@ -215,8 +228,8 @@ class Sharder:
         if isinstance(want, Shard) and want.outer != 1:  # split the dim, slice, merge
             full = self.full(value)
             inner = full[want.dim] // want.outer
-            split = full[:want.dim] + [want.outer, inner] + full[want.dim + 1:]
-            parts = self.insert(user, torch.ops.aten.reshape.default, (value, split))
+            runs = full[:want.dim] + [want.outer, inner] + full[want.dim + 1:]
+            parts = self.insert(user, torch.ops.aten.reshape.default, (value, runs))
             part = self.collective(user, ax.slice, (parts, want.dim + 1, ax.group),
                                    Shard(want.dim + 1))
             local = full[:want.dim] + [want.outer * inner // ax.size] + full[want.dim + 1:]

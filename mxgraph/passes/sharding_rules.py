@@ -18,8 +18,7 @@ Matches (placements written R, S(d), P):
   * attention over a head shard; embedding of sharded indices; cross-entropy over a row
     shard (sum: P; mean: P sum over a P count);
   * *_like factories keep the placement; sinks (metadata asserts) return nothing.
-Anything else gathers (`Sharder.gather_all`).
-"""
+Anything else gathers (`Sharder.gather_all`)."""
 from __future__ import annotations
 
 import math

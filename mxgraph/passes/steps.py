@@ -63,9 +63,11 @@ class Compilation:
 
 def capture_step(c: Compilation, ctx: CompileContext):
     """Trace the model on one micro-batch (a sharded model is traced at its whole shapes,
-    so a new input signature shards the graph as the first one did)."""
+    so a new input signature shards the graph as the first one did). A training step traces
+    the model in the mode the user left it in (`model.eval()` turns dropout off, as in eager);
+    an evaluation program always in eval mode."""
     was_training = c.model.training
-    c.model.train(c.training)
+    c.model.train(c.training and was_training)
     try:
         with whole_parameters(c.model, c.mesh, c.layouts):
             c.forward = capture(c.model, c.args, c.kwargs)

@@ -1,0 +1,71 @@
+"""`mxgraph train` on 2 ranks under every layout of the presets (and a Hugging Face Llama
+under tp=2) finishes and prints its validation loss, which equals the one-process run's
+where both see the same batches.
+
+Each case goes through the real entry point (`mxgraph.cli.main(["train", ...])`), the way
+the torchrun child of `mxgraph train --nproc 2` runs it; all cases share one 2-rank process
+group (start-up dominates), so the CLI's closing of the group is held until the end. The
+`--nproc 2` path itself (torchrun) is tested in tests/test_train.py. The one-process
+references run in the test process. Layouts whose data-parallel ranks draw other batches
+(dp, zero1, ep: every dp rank reads its own stream) are checked to finish with a finite loss.
+"""
+import contextlib
+import io
+import math
+
+from mxgraph.cli import main
+from mxgraph.hf import TINY
+from tests.distributed import run_ranks
+
+HF_LLAMA = ("hf:llama", ",".join(f"{k}={v}" for k, v in TINY["llama"].items()))
+COMMON = ["--steps", "2", "--batch-size", "4", "--seq-len", "32", "--val-batches", "1",
+          "--no-progress"]
+# (model, --model-config, plan file text, same batches as one process?)
+CASES = [("llama-tiny", "", "tp = 2\n", True),
+         ("llama-tiny", "", "tp = 2\nsequence_parallel = true\n", True),
+         ("llama-tiny", "", "cp = 2\n", True),
+         ("llama-tiny", "", "pp = 2\nmicro_batches = 2\n", True),
+         ("llama-tiny", "", "dp = 2\n", False),
+         ("llama-tiny", "", "zero1 = true\n", False),
+         ("moe-tiny", "", "ep = 2\n", False),
+         (*HF_LLAMA, "tp = 2\n", True)]
+LOSS_TOL = 2e-3
+"""Validation losses, absolute, as printed (4 decimals): TP, CP and the pipeline sum in
+another order than one process, over 2 AdamW steps."""
+
+
+def train_cli(model: str, config: str, plan: str | None, tmp: str) -> float:
+    """Run `mxgraph train` in this process; return the validation loss it prints (NaN on
+    a rank that prints nothing)."""
+    argv = ["train", "--model", model, *COMMON]
+    if config:
+        argv += ["--model-config", config]
+    if plan is not None:
+        path = f"{tmp}/plan-{abs(hash(plan))}.toml"
+        with open(path, "w") as f:
+            f.write(plan)
+        argv += ["--plan", path]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0, f"mxgraph {' '.join(argv)} failed"
+    lines = [line for line in out.getvalue().splitlines() if "validation loss" in line]
+    return float(lines[0].split("validation loss")[1].split()[0]) if lines else math.nan
+
+
+def _every_case(rank, world, tmp, references):
+    import mxgraph.runtime.launch as launch
+    launch.close_process_group = lambda: None  # the harness ends the group after the cases
+    for model, config, plan, same_batches in CASES:
+        loss = train_cli(model, config, plan, tmp)
+        if rank != 0:
+            assert math.isnan(loss), "only rank 0 prints the result"
+            continue
+        assert math.isfinite(loss), (model, plan)
+        if same_batches:
+            assert abs(loss - references[model]) <= LOSS_TOL, (model, plan, loss, references[model])
+
+
+def test_every_preset_layout_trains_through_the_cli(tmp_path):
+    models = dict.fromkeys((model, config) for model, config, _, same in CASES if same)
+    references = {model: train_cli(model, config, None, str(tmp_path)) for model, config in models}
+    run_ranks(2, _every_case, str(tmp_path), references)
