@@ -2,9 +2,10 @@
 parallel layouts, each rank against the single-process model (`test_pipeline_exec.
 check_plan`, README order: the optimizer on step.parameters() right after mx.compile):
 loss 1e-5 relative, gradients 1e-4 after each step, parameters 1e-4 after 3 AdamW steps,
-fp32. `strict_sharding=True` wherever no op may fall back to a gather (the MoE token
-dispatch on sequence shards still does: those layouts run without it). Several layouts per
-launch: process start-up and tracing dominate. Expert parallelism of the MoE families:
+fp32. `strict_sharding=True` on every layout the sharding passes handle (no op may fall
+back to a gather; under SP and CP the MoE families route their own tokens,
+passes/sharding_local.py). Several layouts per launch: process start-up and tracing
+dominate. Expert parallelism of the MoE families:
 tests/test_hf_expert_parallel.py."""
 import functools
 
@@ -21,7 +22,6 @@ TWO_RANKS = [dict(tp=2, **STRICT), dict(tp=2, sequence_parallel=True, **STRICT),
 FOUR_RANKS = [dict(tp=2, dp=2, **STRICT), dict(cp=2, tp=2, sequence_parallel=True, **STRICT),
               dict(pp=2, tp=2, micro_batches=2, **STRICT),
               dict(pp=2, dp=2, zero1=True, micro_batches=2, bucket_mb=0.05)]
-TOKEN_SHARDS = ("sequence_parallel", "cp")  # the MoE dispatch on them gathers (listed)
 
 
 def builder(family: str):
@@ -29,10 +29,7 @@ def builder(family: str):
 
 
 def check_layouts(rank, world, family, layouts, lr):
-    moe = family in ("mixtral", "qwen2_moe")
     for plan in layouts:
-        if moe and any(plan.get(key) for key in TOKEN_SHARDS):
-            plan = {k: v for k, v in plan.items() if k != "strict_sharding"}
         try:
             check_plan(rank, world, builder(family), plan, steps=3, batch_size=4, seq_len=16,
                        lr=lr)

@@ -32,12 +32,14 @@ from mxgraph.errors import PlanError
 from mxgraph.ir import SHAPE_OPS, VIEW_OPS, schema_arg
 from mxgraph.passes.placement import R, Shard
 from mxgraph.passes.sharding import AxisOps, Rules, Sharder, placed, repropagate
+from mxgraph.passes.sharding_local import add_local_rules, local_regions
 from mxgraph.passes.sharding_rules import COMMON
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
 CP = Rules(COMMON)
+add_local_rules(CP)
 
 
 @CP.register(aten.scaled_dot_product_attention.default)
@@ -135,7 +137,8 @@ def shard_cp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """
     if ctx.mesh is None or ctx.mesh.sizes["cp"] == 1:
         return gm
-    sharder = Sharder(gm, cp_axis(ctx), CP, strict=ctx.plan.strict_sharding)
+    sharder = Sharder(gm, cp_axis(ctx), CP, strict=ctx.plan.strict_sharding,
+                      local_region=local_regions(gm))
     sharder.run(_cut_inputs(sharder))
     ctx.findings += [f.describe() for f in sharder.fallbacks]
     output = gm.graph.find_nodes(op="output")[0]

@@ -39,6 +39,7 @@ from mxgraph.errors import PlanError
 from mxgraph.ir import COPY_LIKE_OPS, VIEW_OPS, descendants, schema_arg
 from mxgraph.passes.placement import P, R, Shard
 from mxgraph.passes.sharding import AxisOps, Rules, Sharder, placed, repropagate
+from mxgraph.passes.sharding_local import add_local_rules, local_regions
 from mxgraph.passes.sharding_rules import (COMMON, SPLITS, addmm_rule, linear_rule,
                                            row_cross_entropy_rule, split_rule)
 from mxgraph.plan import divisors
@@ -223,6 +224,9 @@ def context_parallel_rule(s: TensorSharder, node: Node):
     return have
 
 
+add_local_rules(TP)  # after TP's own: token-local MoE regions under sequence parallelism
+
+
 def _sequence_shard(sharder: TensorSharder, gm: GraphModule):
     """The sequence shard of a value: dim -2 of `[..., s, h]`, or, for `[b*s, h]` (a linear
     written on flattened tokens, as GPT-2's Conv1D), dim 0 in `b` runs (`Shard(0, outer=b)`),
@@ -256,6 +260,7 @@ def _sharder(gm: GraphModule, ctx: CompileContext, keep: set[str]) -> TensorShar
                             keep_replicated=set(keep))
     if ctx.plan.sequence_parallel:
         sharder.sequence_shard = _sequence_shard(sharder, gm)
+        sharder.local_region = local_regions(gm)
     return sharder
 
 

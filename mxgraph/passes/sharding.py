@@ -127,6 +127,8 @@ class Sharder:
     """Parameter -> sizes of the pieces of a fused projection split along its dim 0."""
     sequence_shard: Callable[[Node], Shard | None] | None = None
     """The shard a partial value is reduce-scattered to (sequence parallelism), if any."""
+    local_region: set = field(default_factory=set)
+    """Nodes of token-local MoE regions (`sharding_local.py`): run on this rank's tokens."""
     keep_replicated: set = field(default_factory=set)
     """Parameters a rule must leave replicated (set between runs by the caller)."""
     fallbacks: list[Fallback] = field(default_factory=list)
