@@ -50,7 +50,7 @@ def test_dense_two_ranks(family):
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_dense_four_ranks(family):
-    layouts = FOUR_RANKS if family == "llama" else FOUR_RANKS[2:3]
+    layouts = FOUR_RANKS if family == "llama" else FOUR_RANKS[2:3]  # GPT-2: pp x tp
     run_ranks(4, check_layouts, family, layouts, LR[family])
 
 
@@ -58,3 +58,9 @@ def test_dense_four_ranks(family):
 def test_moe_two_ranks(family):
     # lr 1e-3, as the presets' MoE tests: at 1e-2 AdamW turns rounding into another top-k
     run_ranks(2, check_layouts, family, TWO_RANKS, 1e-3)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_four_ranks(family):
+    layouts = FOUR_RANKS if family == "mixtral" else FOUR_RANKS[1:2]  # Qwen2: cp x tp + SP
+    run_ranks(4, check_layouts, family, layouts, 1e-3)
