@@ -5,7 +5,8 @@ where both see the same batches.
 Each case goes through the real entry point (`mxgraph.cli.main(["train", ...])`), the way
 the torchrun child of `mxgraph train --nproc 2` runs it; all cases share one 2-rank process
 group (start-up dominates), so the CLI's closing of the group is held until the end. The
-`--nproc 2` path itself (torchrun) is tested in tests/test_train.py. The one-process
+`--nproc 2` path itself (torchrun starting the ranks) runs in tests/test_train.py's resume
+test. The one-process
 references run in the test process. Layouts whose data-parallel ranks draw other batches
 (dp, zero1, ep: every dp rank reads its own stream) are checked to finish with a finite loss.
 """
@@ -27,7 +28,7 @@ CASES = [("llama-tiny", "", "tp = 2\n", True),
          ("llama-tiny", "", "pp = 2\nmicro_batches = 2\n", True),
          ("llama-tiny", "", "dp = 2\n", False),
          ("llama-tiny", "", "zero1 = true\n", False),
-         ("moe-tiny", "", "ep = 2\n", False),
+         ("moe-tiny", "n_layers=2", "ep = 2\n", False),
          (*HF_LLAMA, "tp = 2\n", True)]
 LOSS_TOL = 2e-3
 """Validation losses, absolute, as printed (4 decimals): TP, CP and the pipeline sum in
