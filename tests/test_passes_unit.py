@@ -385,3 +385,49 @@ def test_fuse_swiglu_gradients_bitwise_equal_to_unfused():
 def test_fuse_leaves_unmatched_or_unselected_graphs_alone(plan):
     act = F.relu if plan.fusion else F.silu  # relu(a) * b: no pattern; fusion off: none runs
     assert_left_alone("fuse", capture(SwiGLUMLP(act), (x_bsh(),), {}).gm, plan)
+
+
+class Einsums(nn.Module):
+    """Two einsum projections over [batch, seq, features], written as equations."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 16))
+        self.v = nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x):
+        h = torch.einsum("bsd,df->bsf", x, self.w).relu()
+        return torch.einsum("bsf,fd->bsd", h, self.v).pow(2).mean()
+
+
+def test_shard_cp_einsum_keeps_the_token_shard():
+    gm = capture(Einsums(), (x_bsh(),), {}).gm
+    _, ctx = run("shard_cp", gm, Plan(cp=2, strict_sharding=True), Mesh.on_paper(cp=2))
+    assert not ctx.records[-1].get("finding_lines")
+    einsums = calls(gm, aten.einsum.default)
+    assert [shape(e) for e in einsums] == [(2, 2, 16), (2, 2, 8)]  # this rank's s/cp rows
+
+
+def test_einsum_contracting_a_shard_is_partial():
+    from mxgraph.passes.placement import P, R, Shard
+    from mxgraph.passes.sharding_einsum import einsum_rule
+
+    class Sharder:  # the three calls the rule makes
+        def __init__(self, places):
+            self.places, self.needs = places, []
+
+        def of(self, x):
+            return self.places.get(x, R)
+
+        def ndim(self, x):
+            return 3 if x == "h" else 2
+
+        def need(self, node, x, placement):
+            self.needs.append((x, placement))
+
+    node = torch.fx.Graph().call_function(aten.einsum.default, ("bsf,fd->bsd", ["h", "v"]))
+    s = Sharder({"h": Shard(2)})
+    assert einsum_rule(s, node) == P and s.needs == [("v", Shard(0))]  # v sliced along f
+    s = Sharder({"h": Shard(1)})
+    assert einsum_rule(s, node) == Shard(1) and s.needs == []
+    assert einsum_rule(Sharder({"h": P}), node) == P

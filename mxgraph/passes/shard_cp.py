@@ -33,12 +33,14 @@ from mxgraph.ir import SHAPE_OPS, VIEW_OPS, schema_arg
 from mxgraph.passes.placement import R, Shard
 from mxgraph.passes.sharding import AxisOps, Rules, Sharder, placed, repropagate
 from mxgraph.passes.sharding_local import add_local_rules, local_regions
+from mxgraph.passes.sharding_einsum import einsum_rule
 from mxgraph.passes.sharding_rules import COMMON
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
 CP = Rules(COMMON)
+CP.register(aten.einsum.default)(einsum_rule)
 add_local_rules(CP)
 
 

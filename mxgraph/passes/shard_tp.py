@@ -39,6 +39,7 @@ from mxgraph.errors import PlanError
 from mxgraph.ir import COPY_LIKE_OPS, VIEW_OPS, descendants, schema_arg
 from mxgraph.passes.placement import P, R, Shard
 from mxgraph.passes.sharding import AxisOps, Rules, Sharder, placed, repropagate
+from mxgraph.passes.sharding_einsum import einsum_rule
 from mxgraph.passes.sharding_local import add_local_rules, local_regions
 from mxgraph.passes.sharding_rules import (COMMON, SPLITS, addmm_rule, linear_rule,
                                            row_cross_entropy_rule, split_rule)
@@ -47,6 +48,7 @@ from mxgraph.plan import divisors
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
 TP = Rules(COMMON)
+TP.register(aten.einsum.default)(einsum_rule)
 CP_OPS = {mx.cp_chunk.default, mx.cp_all_gather.default, mx.cp_all_reduce.default,
           mx.cp_replicated.default}
 
