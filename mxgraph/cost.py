@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import has_guarding_hint
 
 from mxgraph.ir import ALIAS_OPS, MATMUL_OPS, schema_arg
 
@@ -49,12 +50,12 @@ def concrete(dim) -> int:
     its torch._check calls gave it (worst case for memory), else at 1."""
     if isinstance(dim, int):
         return dim
-    try:
+    if has_guarding_hint(dim):
         return int(dim)
-    except Exception:  # noqa: BLE001 - unbacked SymInt: no hint
-        node = dim.node
-        bound = node.shape_env.bound_sympy(node.expr).upper
-        return int(bound) if bound.is_finite else 1
+    # unbacked: asking int() would raise (and build a costly error message first)
+    node = dim.node
+    bound = node.shape_env.bound_sympy(node.expr).upper
+    return int(bound) if bound.is_finite else 1
 
 
 def _numel(shape) -> int:
