@@ -48,8 +48,8 @@ def test_ep2_cp2_moe_tiny():
 def test_tp2_ep2_moe_tiny():
     # lr 1e-3: at 1e-2 two AdamW steps already turn TP's summation-order differences
     # into a different top-k choice for some token (tp2 x dp2 without EP does the same)
-    run_ranks(4, check_ep, "moe-tiny", dict(tp=2, ep=2), 3, dict(expert_impl="grouped_mm"),
-              1e-3)
+    run_ranks(4, check_ep, "moe-tiny", dict(tp=2, ep=2), 3,
+              dict(expert_impl="grouped_mm", n_layers=2), 1e-3)
 
 
 @settings(max_examples=1, deadline=None)

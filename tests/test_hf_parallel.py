@@ -35,11 +35,14 @@ arithmetic (softmax ignores it), so rounding noise, which AdamW scales to lr-siz
 (check_plan freezes such a bias where it is a parameter of its own, `attn.wk.bias`). The
 MoE families at 1e-3, as the presets' MoE tests: at 1e-2 AdamW turns rounding into another
 top-k choice for some token."""
-CASES = {2: [(family, plan) for family in LR
-             for plan in TWO_RANKS + ([DP] if family == "llama" else [])],
-         4: [("llama", plan) for plan in FOUR_RANKS] + [("mixtral", plan) for plan in FOUR_RANKS] +
-            [("gpt2", FOUR_RANKS[2]), ("qwen2_moe", FOUR_RANKS[1])]}
-"""Per world size, (family, plan). On 4 ranks GPT-2 runs pp x tp, Qwen2-MoE cp x tp + SP."""
+DENSE = ("llama", "gpt2")
+CASES = {2: [(family, plan) for family in LR for plan in TWO_RANKS
+             if family in DENSE or "pp" not in plan] + [("llama", DP)],
+         4: [("llama", plan) for plan in FOUR_RANKS] + [("gpt2", FOUR_RANKS[2])] +
+            [("mixtral", FOUR_RANKS[1]), ("mixtral", FOUR_RANKS[3]), ("qwen2_moe", FOUR_RANKS[1])]}
+"""Per world size, (family, plan): every layout on Llama; GPT-2 (Conv1D, fused c_attn, tied
+embeddings) and the MoE families on those where their structure meets the passes (pipeline
+stages of MoE blocks: mixtral's pp x dp + zero1; tp x dp, pp x tp: Llama's)."""
 
 
 def check_cases(rank, world, cases):

@@ -24,7 +24,8 @@ import tests.test_pipeline_exec as pipeline_exec
 from tests.test_pipeline_exec import check_plan
 
 LLAMA = "llama-tiny"
-MODEL_KWARGS = {"moe-tiny": dict(expert_impl="grouped_mm")}  # the loop form traces slowly
+MODEL_KWARGS = {"moe-tiny": dict(expert_impl="grouped_mm", n_layers=2)}
+"""The loop form traces slowly; 2 layers: the dense first layer and one MoE layer."""
 
 
 def check_models(rank, world, cases, lr=1e-2):

@@ -26,7 +26,6 @@ CASES = [("llama-tiny", "", "tp = 2\n", True),
          ("llama-tiny", "", "tp = 2\nsequence_parallel = true\n", True),
          ("llama-tiny", "", "cp = 2\n", True),
          ("llama-tiny", "", "pp = 2\nmicro_batches = 2\n", True),
-         ("llama-tiny", "", "dp = 2\n", False),
          ("llama-tiny", "", "zero1 = true\n", False),
          ("moe-tiny", "n_layers=2", "ep = 2\n", False),
          (*HF_LLAMA, "tp = 2\n", True)]

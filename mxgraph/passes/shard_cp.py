@@ -32,7 +32,7 @@ from mxgraph.errors import PlanError
 from mxgraph.ir import SHAPE_OPS, VIEW_OPS, schema_arg
 from mxgraph.passes.placement import R, Shard
 from mxgraph.passes.sharding import AxisOps, Rules, Sharder, placed, repropagate
-from mxgraph.passes.sharding_local import add_local_rules, local_regions
+from mxgraph.passes.sharding_local import add_local_rules, valid_regions
 from mxgraph.passes.sharding_einsum import einsum_rule
 from mxgraph.passes.sharding_rules import COMMON
 from mxgraph.plan import divisors
@@ -139,8 +139,12 @@ def shard_cp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """
     if ctx.mesh is None or ctx.mesh.sizes["cp"] == 1:
         return gm
+    def trial(copy: GraphModule, region: set[Node]) -> list:
+        s = Sharder(copy, cp_axis(ctx), CP, local_region=region)
+        s.run(_cut_inputs(s))
+        return s.fallbacks
     sharder = Sharder(gm, cp_axis(ctx), CP, strict=ctx.plan.strict_sharding,
-                      local_region=local_regions(gm))
+                      local_region=valid_regions(gm, trial))
     sharder.run(_cut_inputs(sharder))
     ctx.findings += [f.describe() for f in sharder.fallbacks]
     output = gm.graph.find_nodes(op="output")[0]

@@ -40,7 +40,7 @@ from mxgraph.ir import COPY_LIKE_OPS, VIEW_OPS, descendants, schema_arg
 from mxgraph.passes.placement import P, R, Shard
 from mxgraph.passes.sharding import AxisOps, Rules, Sharder, placed, repropagate
 from mxgraph.passes.sharding_einsum import einsum_rule
-from mxgraph.passes.sharding_local import add_local_rules, local_regions
+from mxgraph.passes.sharding_local import add_local_rules, local_regions, valid_regions
 from mxgraph.passes.sharding_rules import (COMMON, SPLITS, addmm_rule, linear_rule,
                                            row_cross_entropy_rule, split_rule)
 from mxgraph.plan import divisors
@@ -257,12 +257,15 @@ def tp_axis(ctx: CompileContext) -> AxisOps:
                    reduce_scatter=mx.sp_reduce_scatter.default, copy=mx.tp_copy.default)
 
 
-def _sharder(gm: GraphModule, ctx: CompileContext, keep: set[str]) -> TensorSharder:
+def _sharder(gm: GraphModule, ctx: CompileContext, keep: set[str],
+             region: set[Node] | None = None) -> TensorSharder:
+    """A sharder for `gm`; under SP with the token-local `region` (default: every MoE
+    block's, as the blame trials use)."""
     sharder = TensorSharder(gm, tp_axis(ctx), TP, strict=ctx.plan.strict_sharding,
                             keep_replicated=set(keep))
     if ctx.plan.sequence_parallel:
         sharder.sequence_shard = _sequence_shard(sharder, gm)
-        sharder.local_region = local_regions(gm)
+        sharder.local_region = set().union(*local_regions(gm)) if region is None else region
     return sharder
 
 
@@ -336,7 +339,14 @@ def shard_tp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
         if not blamed:
             break
         keep |= blamed
-    sharder = _sharder(gm, ctx, keep)
+
+    def trial(copy: GraphModule, region: set[Node]) -> list:
+        s = _sharder(copy, ctx, keep, region)
+        s.strict = False
+        s.run()
+        return s.fallbacks
+    region = valid_regions(gm, trial) if ctx.plan.sequence_parallel else set()
+    sharder = _sharder(gm, ctx, keep, region)
     sharder.run()
     ctx.findings += [f.describe() for f in sharder.fallbacks]
     local = {}

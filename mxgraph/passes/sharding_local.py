@@ -24,7 +24,9 @@ Outside a region, and on values placed otherwise, each rule defers to the one it
 from __future__ import annotations
 
 import torch
-from torch.fx import GraphModule, Node
+from collections.abc import Callable
+
+from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from mxgraph.ir import ancestors, descendants, op_name, packet, schema_arg
@@ -36,18 +38,40 @@ from mxgraph.passes.sharding import Rules, placed
 aten = torch.ops.aten
 
 
-def local_regions(gm: GraphModule) -> set[Node]:
-    """The nodes of every routed-MoE block from its routing top-k to its combine, where
-    every shape is static (a block with data-dependent row counts, as mxgraph's own
-    `grouped_mm` form, keeps its gathers: the rules here do not reason about them)."""
-    region: set[Node] = set()
+def local_regions(gm: GraphModule) -> list[set[Node]]:
+    """The nodes of each routed-MoE block from its routing top-k to its combine, where
+    every shape is static (a block with data-dependent row counts keeps its gathers: the
+    rules here do not reason about them)."""
+    regions = []
     for block in find_expert_blocks(gm):
         if block.topk is None or block.combine is None or block.problem is not None:
             continue
         nodes = descendants([block.topk]) & ancestors([block.combine])
         if not any(_data_dependent(n) for n in nodes):
-            region |= nodes
-    return region
+            regions.append(nodes)
+    return regions
+
+
+def valid_regions(gm: GraphModule, trial: Callable[[GraphModule, set[Node]], list]) -> set[Node]:
+    """The nodes of the token-local regions of `gm` that shard without a gather in them or
+    of their values: `trial(copy, region)` shards a copy of `gm` with `region` (its nodes)
+    local and returns the fallbacks. A region value is a rank's own (positions among its
+    rows), so gathering one would concatenate meaningless values: a block where a rule
+    gathers keeps the gathers of the rules these wrap, in every one of its ops."""
+    blocks = local_regions(gm)
+    for _ in range(len(blocks) + 1):
+        if not blocks:
+            return set()
+        graph, copies = Graph(), {}
+        graph.output(graph.graph_copy(gm.graph, copies))
+        originals = {copy: node for node, copy in copies.items()}
+        fallbacks = trial(GraphModule(gm, graph), {copies[n] for block in blocks for n in block})
+        gathered = {originals.get(n) for f in fallbacks for n in (f.node, *f.inputs)}
+        kept = [block for block in blocks if not block & gathered]
+        if len(kept) == len(blocks):
+            return set().union(*blocks)
+        blocks = kept
+    return set()
 
 
 def _data_dependent(node: Node) -> bool:
@@ -142,4 +166,4 @@ def add_local_rules(rules: Rules) -> None:
         return s.gather_all(node, "a grouped GEMM placed otherwise")
 
 
-__all__ = ["add_local_rules", "local_regions"]
+__all__ = ["add_local_rules", "local_regions", "valid_regions"]
