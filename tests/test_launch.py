@@ -32,8 +32,9 @@ SCRIPT = textwrap.dedent("""
     assert dist.is_initialized() and dist.get_world_size() == 2
     loss = step(inputs, targets).item()
     assert abs(loss - eager) <= 1e-5 * abs(eager), (loss, eager)
-    print(f"rank {dist.get_rank()}: loss {loss:.6f} = eager {eager:.6f}")
-    dist.destroy_process_group()
+    print(f"rank {dist.get_rank()}: loss {loss:.6f} = eager {eager:.6f}", flush=True)
+    # no close: the group mx.compile made ends itself at exit (a bare destroy here, with
+    # no barrier, let one rank tear its connections down under a peer: exit -6, once)
 """)
 
 

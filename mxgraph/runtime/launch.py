@@ -1,6 +1,7 @@
 """Joining the job torchrun started, from its environment (as torchtitan's trainer does)."""
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
@@ -16,7 +17,8 @@ def init_from_environment() -> None:
 
     The backend is "nccl" when CUDA is available (MCCL under MXMACA), with this process's
     GPU (LOCAL_RANK) made the current device first, else "gloo". The group survives
-    `torchrun --max-restarts` (`init_restartable_process_group`). A group the caller made
+    `torchrun --max-restarts` (`init_restartable_process_group`) and ends at exit
+    (`close_process_group`, unless the script closed it first). A group the caller made
     itself is left as it is.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available() or \
@@ -27,6 +29,7 @@ def init_from_environment() -> None:
         init_restartable_process_group("nccl")
     else:
         init_restartable_process_group("gloo")
+    atexit.register(close_process_group)  # ours: ended behind a barrier before teardown
 
 
 def close_process_group() -> None:
