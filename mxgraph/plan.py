@@ -40,6 +40,37 @@ class MoEOptions:
 
 
 @dataclass(kw_only=True)
+class OverlapOptions:
+    """Communication-compute overlap (`Plan(overlap=OverlapOptions(...))`; `overlap=True`
+    is `OverlapOptions()`; in TOML an `[overlap]` table or `overlap = true`). Every part is
+    bitwise-equal to overlap off except `tp_chunks > 1` (partial GEMMs round differently)."""
+
+    reorder: bool = True
+    """The collectives the sharding passes insert run asynchronously (a start and a wait):
+    each starts as early as its inputs allow and is waited as late as its first use."""
+    max_in_flight_mb: float = 512.0
+    """MiB of collective buffers (inputs and outputs) in flight at once: the reorder pass
+    starts a collective later rather than exceed it."""
+    dp_buckets: bool = True
+    """Each data-parallel gradient bucket starts its all-reduce (reduce-scatter under
+    ZeRO-1) as soon as its last gradient is produced, in the last micro-batch's backward;
+    the ZeRO-1 all-gather of updated parameters overlaps the next step's forward."""
+    tp_chunks: int = 1
+    """Split each sequence-parallel all-gather->matmul and matmul->reduce-scatter into this
+    many chunks, so the transfer of one chunk overlaps the GEMM of another; 1 = off. Needs
+    sequence_parallel; must divide each rank's rows (batch x local sequence)."""
+    p2p: bool = True
+    """Pipeline executor: receives posted ahead of their use, sends batched, and
+    DualPipeV's F&B pairs interleaved."""
+    copy_engine: bool = False
+    """Transfers with no compute dependency inside a node (pipeline P2P, DP buckets) run on
+    a dedicated stream through copy-engine paths (on the CPU: a separate thread)."""
+    fallback: bool = False
+    """With copy_engine on a device without copy engines: run the transfers as ordinary
+    collectives (True) or refuse the plan (False)."""
+
+
+@dataclass(kw_only=True)
 class Plan:
     """The parallel layout and the rewrites of one training step.
 
@@ -95,8 +126,9 @@ class Plan:
     """Backward nodes between the prefetch of an offloaded value and its first use."""
     fusion: bool | str = False
     """Flash Fusion: True = all fused kernels, False = none, or a comma list of names."""
-    overlap: bool = False
-    """Overlap communication with compute (reordering, TP GEMM decomposition)."""
+    overlap: bool | OverlapOptions | None = None
+    """Communication-compute overlap: None/False = off, True = `OverlapOptions()`, or an
+    `OverlapOptions` (a dict, or an [overlap] table in TOML)."""
     moe: MoEOptions = field(default_factory=MoEOptions)
     """Mixture-of-Experts options."""
     dump_dir: str | None = None
@@ -109,6 +141,13 @@ class Plan:
         if isinstance(self.moe, dict):
             check_fields(self.moe, MoEOptions, prefix="moe.")
             self.moe = MoEOptions(**self.moe)
+        if isinstance(self.overlap, dict):
+            check_fields(self.overlap, OverlapOptions, prefix="overlap.")
+            self.overlap = OverlapOptions(**self.overlap)
+        elif self.overlap is True:
+            self.overlap = OverlapOptions()
+        elif self.overlap is False:
+            self.overlap = None
         self.validate()
 
     # ---- validation -------------------------------------------------------------------
@@ -137,6 +176,8 @@ class Plan:
             raise PlanError(f"offload_prefetch={self.offload_prefetch!r} must be an integer >= 0")
         for kind in self.fusion_kinds():
             _check_choice("fusion", kind, FUSION_KINDS)
+        if self.overlap is not None:
+            _check_overlap(self)
         if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise PlanError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB "
                             f"(e.g. 25.0)")
@@ -236,10 +277,11 @@ class Plan:
 
 # ---- loading: names and types of plain values -------------------------------------------
 _KINDS = {"int": int, "float": (int, float), "str": str, "bool": bool, "None": type(None),
-          "dict": dict, "tuple": (list, tuple), "MoEOptions": (dict, MoEOptions)}
+          "dict": dict, "tuple": (list, tuple), "MoEOptions": (dict, MoEOptions),
+          "OverlapOptions": (dict, OverlapOptions)}
 _KIND_WORDS = {"int": "an integer", "float": "a number", "str": "a string",
                "bool": "a boolean (true/false)", "dict": "a table", "tuple": "a list",
-               "MoEOptions": "a [moe] table"}
+               "MoEOptions": "a [moe] table", "OverlapOptions": "an [overlap] table"}
 
 
 def check_fields(data: dict, cls: type, source: str | None = None, prefix: str = "") -> None:
@@ -262,6 +304,8 @@ def check_fields(data: dict, cls: type, source: str | None = None, prefix: str =
                 f"{' or '.join(_KIND_WORDS[kind] for kind in kinds if kind != 'None')}")))
         if kinds == ["MoEOptions"] and isinstance(value, dict):
             check_fields(value, MoEOptions, source, prefix=f"{name}.")
+        if "OverlapOptions" in kinds and isinstance(value, dict):
+            check_fields(value, OverlapOptions, source, prefix=f"{name}.")
 
 
 def _stage_keys(stages: dict, source: str | None) -> dict[int, str]:
@@ -325,6 +369,26 @@ def parse_offload(text: str) -> list[tuple[str | None, str]]:
     return entries
 
 
+def _check_overlap(plan: "Plan") -> None:
+    """PlanError for overlap fields that cannot hold (device capabilities are checked at
+    compile time, against the mesh's device)."""
+    options = plan.overlap
+    if not isinstance(options, OverlapOptions):
+        raise PlanError(f"overlap={options!r} must be True, False, None or an OverlapOptions "
+                        f"(a dict of its fields)")
+    budget = options.max_in_flight_mb
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise PlanError(f"overlap.max_in_flight_mb={budget!r} must be a positive number of "
+                        f"MiB (e.g. 512)")
+    chunks = options.tp_chunks
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise PlanError(f"overlap.tp_chunks={chunks!r} must be a positive integer (1 = off)")
+    if chunks > 1 and not plan.sequence_parallel:
+        raise PlanError(f"overlap.tp_chunks={chunks} splits sequence-parallel all-gathers and "
+                        f"reduce-scatters around the TP GEMMs: it needs tp > 1 and "
+                        f"sequence_parallel=True; set those or leave tp_chunks at 1")
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -344,7 +408,6 @@ def check_divides(axis: str, degree: int, what: str, total: int) -> None:
 # Capabilities not built yet: (field, test on the plan, what is missing). A plan that asks
 # for one raises PlanError at compile time; the entry goes when the capability lands.
 NOT_BUILT = [
-    ("overlap", lambda p: p.overlap, "comm-compute overlap passes"),
     ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),
     ("moe.hot_expert_replication", lambda p: p.moe.hot_expert_replication,
      "hot-expert replication"),

@@ -97,9 +97,9 @@ USER_ERRORS = {
     "data file not 1-D ids": (["train", "--data", "matrix.npy"],
                               "mxgraph: error: matrix.npy: expected a 1-D integer array of "
                               "token ids, got shape (2, 2) dtype float64"),
-    "plan not built": (["train", "--plan", "overlap.toml"],
-                       "mxgraph: error: overlap: comm-compute overlap passes is not built yet "
-                       "in this version of mxgraph; leave overlap at its default"),
+    "plan not built": (["train", "--plan", "batched.toml"],
+                       "mxgraph: error: moe.batched_gemm: batched expert GEMM is not built yet "
+                       "in this version of mxgraph; leave moe.batched_gemm at its default"),
     "unknown flag": (["train", "--num-steps", "2"],
                      "mxgraph train: error: unrecognized arguments: --num-steps 2 "
                      "(see 'mxgraph train --help')"),
@@ -115,7 +115,7 @@ def _write_inputs(directory: Path) -> None:
     (directory / "text.txt").write_bytes(b"some bytes to train on, " * 8)
     for name, text in {"syntax": "tp == 2\n", "tpp": "tpp = 2\n", "two": 'tp = "two"\n',
                        "moe": "[moe]\ncapacty_factor = 1.0\n", "tp2": "tp = 2\n",
-                       "overlap": "overlap = true\n"}.items():
+                       "batched": "[moe]\nbatched_gemm = true\n"}.items():
         (directory / f"{name}.toml").write_text(text)
     (directory / "not_a_loss.py").write_text(NOT_A_LOSS)
     for entry in ("00_capture", "01_dead_code"):
