@@ -13,6 +13,8 @@ from __future__ import annotations
 from mxgraph.errors import PlanError
 from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass
 from mxgraph.passes.offload import offload_pass
+from mxgraph.passes.overlap_async import overlap_async_pass
+from mxgraph.passes.overlap_reorder import overlap_reorder_pass
 from mxgraph.passes.remat import remat_pass
 from mxgraph.passes.fuse import fuse_pass
 from mxgraph.passes.fuse_grad import fuse_residual_grad_pass
@@ -48,6 +50,12 @@ JOINT_PASSES = [
              "first memory pass: decides saved vs recomputed before offload moves what is saved"),
     PassSpec("offload", offload_pass, "joint",
              "after remat: only values that stay saved are worth moving to the host"),
+    PassSpec("overlap_async", overlap_async_pass, "joint",
+             "after the memory passes, which see the collectives as single ops: each becomes a "
+             "start and a wait (Plan.overlap.reorder)"),
+    PassSpec("overlap_reorder", overlap_reorder_pass, "joint",
+             "after overlap_async and the memory passes (their saved and recomputed values "
+             "are final): starts early, waits late"),
     PassSpec("dead_code", dead_code_pass, "joint",
              "last: removes what earlier rewrites left unused (keeps random ops)"),
 ]

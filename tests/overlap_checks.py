@@ -1,0 +1,61 @@
+"""Overlap on vs off, in one set of gloo processes: the loss and the gradients after the
+first step, and the parameters after two AdamW steps, compared with `torch.equal` (the
+reorder pass, async collectives, bucket timing and pipeline transfers claim bitwise
+equality), or within `tol` relative for chunked TP GEMMs."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import models
+import mxgraph as mx
+from tests.helpers import batch, rel_err
+
+
+def run_plan(model, plan: mx.Plan, tokens, targets, steps: int = 2):
+    """(losses, gradients after step 1 by name, parameters after `steps` AdamW steps)."""
+    step = mx.compile(model, plan)
+    step.prepare(tokens, targets)
+    opt = torch.optim.AdamW(step.parameters(), lr=1e-2)
+    losses, grads = [], {}
+    for i in range(steps):
+        losses.append(step(tokens, targets))
+        if i == 0:
+            grads = {n: p.grad.clone() for n, p in step.model_parameters() if p.grad is not None}
+            grads.update({n: p.grad.clone() for n, p in step.parameters()
+                          if isinstance(n, str) and p.grad is not None} if plan.zero1 else {})
+        opt.step()
+        opt.zero_grad()
+    step.sync_parameters()
+    return losses, grads, {n: p.detach().clone() for n, p in step.model_parameters()}
+
+
+def compare(rank, name, plan_kwargs, overlap, model_kwargs=None, tol=None, dp=1):
+    """Run `plan_kwargs` with overlap None and with `overlap` on the same model copy and
+    data; assert equality (or `tol`)."""
+    torch.manual_seed(0)
+    base = models.build_model(name, **(model_kwargs or {}))
+    config = base.config if hasattr(base, "config") else None
+    vocab = getattr(config, "vocab_size", 256) if config is not None else 256
+    tokens, targets = batch(vocab=vocab, batch_size=4, seq_len=16, seed=rank % dp)
+    results = []
+    for option in (None, overlap):
+        plan = mx.Plan(**plan_kwargs, overlap=option)
+        results.append(run_plan(copy.deepcopy(base), plan, tokens, targets))
+    (loss_a, grads_a, params_a), (loss_b, grads_b, params_b) = results
+    label = f"{name} {plan_kwargs} overlap={overlap}"
+    assert grads_a.keys() == grads_b.keys(), label
+    for a, b in zip(loss_a, loss_b):
+        _same(a, b, tol, f"{label}: loss")
+    for key in grads_a:
+        _same(grads_a[key], grads_b[key], tol, f"{label}: grad {key}")
+    for key in params_a:
+        _same(params_a[key], params_b[key], tol, f"{label}: param {key}")
+
+
+def _same(a, b, tol, what):
+    if tol is None:
+        assert torch.equal(a, b), f"{what} differs by {rel_err(a, b):.2e} (bitwise expected)"
+    else:
+        assert rel_err(a, b) <= tol, f"{what}: {rel_err(a, b):.2e} > {tol}"
