@@ -8,27 +8,26 @@ import torch
 import torch.distributed as dist
 
 from mxgraph.runtime.checkpoint_state import init_restartable_process_group
-from mxgraph.runtime.mesh import default_device
+from mxgraph.runtime.device import detect
 
 
 def init_from_environment() -> None:
     """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
     MASTER_ADDR, MASTER_PORT) when WORLD_SIZE > 1 and none exists; otherwise do nothing.
 
-    The backend is "nccl" when CUDA is available (MCCL under MXMACA), with this process's
-    GPU (LOCAL_RANK) made the current device first, else "gloo". The group survives
-    `torchrun --max-restarts` (`init_restartable_process_group`) and ends at exit
-    (`close_process_group`, unless the script closed it first). A group the caller made
-    itself is left as it is.
+    The backend is this process's device's (`runtime.device.detect`): "nccl" on a GPU (MCCL
+    behind it under MXMACA), with that GPU (LOCAL_RANK) made the current device first, else
+    "gloo". The group survives `torchrun --max-restarts` (`init_restartable_process_group`)
+    and ends at exit (`close_process_group`, unless the script closed it first). A group the
+    caller made itself is left as it is.
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or not dist.is_available() or \
             dist.is_initialized():
         return
-    if torch.cuda.is_available():
-        torch.cuda.set_device(default_device())
-        init_restartable_process_group("nccl")
-    else:
-        init_restartable_process_group("gloo")
+    info = detect()
+    if info.torch_device.type == "cuda":
+        torch.cuda.set_device(info.torch_device)
+    init_restartable_process_group(info.backend)
     atexit.register(close_process_group)  # ours: ended behind a barrier before teardown
 
 

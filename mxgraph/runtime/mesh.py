@@ -7,12 +7,12 @@ reduce their gradients together. With cp > 1 each rank's gradients cover its par
 sequence, so gradients reduce over "dp_cp" (dp x cp; "edp_cp" for experts) in one collective,
 as Megatron-LM's data-parallel-with-context group. Groups: "pp", "dp", "edp", "ep", "cp",
 "tp", and with cp > 1 "dp_cp", "edp_cp". Built with
-`torch.distributed.device_mesh.init_device_mesh`; gloo on the CPU, nccl on `cuda` (MCCL
-on MXMACA).
+`torch.distributed.device_mesh.init_device_mesh` on the device `runtime.device.detect` names
+(its backend: gloo on the CPU, nccl on `cuda`, MCCL behind it on MXMACA).
+`default_device` lives in runtime/device.py; importing it from here keeps working.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from mxgraph.errors import PlanError
 from mxgraph.plan import Plan
+from mxgraph.runtime.device import check_copy_engine, default_device, detect
 
 AXES = ("pp", "dp", "cp", "tp")
 MESH_AXES = ("pp", "edp", "ep", "cp", "tp")  # the device mesh's dims: dp = edp x ep
@@ -40,6 +41,8 @@ class Mesh:
     def from_plan(cls, plan: Plan, device: torch.device | None = None) -> "Mesh":
         """This rank's mesh for `plan`; `device` defaults to `default_device()`."""
         device = device or default_device()
+        info = detect(device)
+        check_copy_engine(plan, info)
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp = plan.resolve_dp(world)
         sizes = _with_merged_axes({"pp": plan.pp, "dp": dp, "cp": plan.cp, "tp": plan.tp,
@@ -49,7 +52,7 @@ class Mesh:
         if not dist.is_initialized():
             raise PlanError("a multi-rank plan needs torch.distributed initialised; start "
                             "with torchrun or `mxgraph train --nproc N`")
-        mesh = init_device_mesh(device.type, tuple(sizes[a] for a in MESH_AXES),
+        mesh = init_device_mesh(info.torch_device.type, tuple(sizes[a] for a in MESH_AXES),
                                 mesh_dim_names=MESH_AXES)
         mesh["edp", "ep"]._flatten(mesh_dim_name="dp")
         if sizes["cp"] > 1:  # gradient buckets reduce over the data and context ranks at once
@@ -110,10 +113,3 @@ def _with_merged_axes(sizes: dict[str, int]) -> dict[str, int]:
     sizes["edp_cp"] = sizes["edp"] * sizes["cp"]
     return sizes
 
-
-def default_device() -> torch.device:
-    """This process's GPU (`LOCAL_RANK` of the node's GPUs, as torchrun numbers them) when
-    there is one (`cuda`: NVIDIA, or MetaX under MXMACA), else the CPU."""
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
