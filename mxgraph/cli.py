@@ -138,6 +138,9 @@ def _train(args) -> int:
         print(f"train loss {result['train_loss']:.4f} | validation loss "
               f"{result['val_loss']:.4f} nats/token | {result['tokens_per_s']:,.0f} tokens/s | "
               f"{result['seconds']:.1f} s")
+        if args.profile:
+            print(f"profiler traces (one per rank): {args.profile}/rank*.json; read them with "
+                  f"mxgraph inspect --overlap {args.profile}")
     from mxgraph.runtime.launch import close_process_group
     close_process_group()  # under torchrun: every rank ends its groups before exiting
     return 0
@@ -165,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
     inspect = commands.add_parser("inspect", parents=[debug],
-                                  help="summarise a dump directory, or estimate "
-                                  "memory (--memory) or communication (--comm) per rank")
+                                  help="summarise a dump directory, estimate memory "
+                                  "(--memory) or communication (--comm) per rank, or read "
+                                  "a profiler trace's overlap (--overlap)")
     inspect.add_argument("dump_dir", nargs="?", help="directory written by Plan(dump_dir=...)")
     inspect.add_argument("--memory", action="store_true",
                          help="estimate memory per pipeline rank for --model under --plan "
@@ -186,7 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
                          help="parameter dtype (--memory/--comm)")
     inspect.add_argument("--layers", type=int, default=None,
                          help="trace this many layers instead of the preset's (--comm)")
-    inspect.add_argument("--png", default="memory.png", help="bar chart path (--memory)")
+    inspect.add_argument("--overlap", metavar="TRACE",
+                         help="communication vs compute in a profiler trace (a file, or the "
+                              "directory of mxgraph train --profile DIR): per collective "
+                              "kind the count, comm ms, exposed ms (compute lane idle) and "
+                              "the hidden fraction; --png OUT.png draws the timeline")
+    inspect.add_argument("--png", default=None,
+                         help="bar chart path (--memory; default memory.png), timeline path "
+                              "(--overlap; default: none)")
     inspect.add_argument("--diff", nargs=2, metavar=("PASS_A", "PASS_B"),
                          help="show which ops two passes' graphs differ in")
     inspect.set_defaults(run=_inspect)

@@ -1,5 +1,6 @@
 """`mxgraph inspect DIR`: print a dump's summary (communication included), and the op-count
-difference of two passes; `--memory` and `--comm` estimate a preset under a plan."""
+difference of two passes; `--memory` and `--comm` estimate a preset under a plan;
+`--overlap TRACE` reads a profiler trace's communication-compute overlap."""
 from __future__ import annotations
 
 import csv
@@ -71,8 +72,9 @@ def memory_main(args) -> int:
                              seq_len=args.seq_len, dtype=dtype)
     print(f"{args.model}  {plan.to_toml().strip().replace(chr(10), '; ') or 'default plan'}")
     print(format_table(stages))
-    plot(stages, args.png, title=f"{args.model} ({args.dtype}, mbs={args.batch_size})")
-    print(f"bar chart: {args.png}")
+    png = args.png or "memory.png"
+    plot(stages, png, title=f"{args.model} ({args.dtype}, mbs={args.batch_size})")
+    print(f"bar chart: {png}")
     return 0
 
 
@@ -103,6 +105,19 @@ def comm_main(args) -> int:
     return 0
 
 
+def overlap_main(args) -> int:
+    """`mxgraph inspect --overlap TRACE [--png OUT.png]`: the overlap table of each trace
+    (TRACE, or the rank*.json in it), and their timeline."""
+    from mxgraph.overlap_report import format_table, overlap_summary, plot_timeline, trace_files
+    paths = trace_files(args.overlap)
+    for i, path in enumerate(paths):
+        print(("\n" if i else "") + format_table(overlap_summary(path)))
+    if args.png:
+        plot_timeline(paths, args.png)
+        print(f"timeline: {args.png}")
+    return 0
+
+
 def _model_and_plan(args, flag: str, example: str):
     """The plan of `--plan` (default Plan()); UserError unless `--model` names a preset."""
     import models
@@ -118,9 +133,11 @@ def main(args) -> int:
         return memory_main(args)
     if getattr(args, "comm", False):
         return comm_main(args)
+    if getattr(args, "overlap", None):
+        return overlap_main(args)
     if not args.dump_dir:
-        raise UserError("inspect needs a dump directory (mxgraph inspect DIR), or --memory "
-                        "or --comm with --model NAME")
+        raise UserError("inspect needs a dump directory (mxgraph inspect DIR), --memory "
+                        "or --comm with --model NAME, or --overlap TRACE")
     directory = Path(args.dump_dir)
     if not directory.exists():
         raise UserError(f"dump directory {directory} does not exist; write one with "

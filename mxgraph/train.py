@@ -22,6 +22,7 @@ from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
 from mxgraph.plan import Plan
 from mxgraph.runtime.checkpoint import FlashCheckpointer
 from mxgraph.runtime.checkpoint_state import apply_training_state, capture_training_state
+from mxgraph.runtime.device import detect
 from mxgraph.runtime.launch import init_from_environment
 
 log = logging.getLogger("mxgraph.train")
@@ -70,6 +71,13 @@ class TrainConfig:
     """Resume from the newest intact snapshot: in memory if every rank has it, else disk."""
     keep: int = 2
     """Committed checkpoints kept on disk."""
+    profile: str | None = None
+    """Directory for a torch.profiler Chrome trace per rank, DIR/rank{R}.json (CPU activity;
+    CUDA too on a GPU). Steps 1-2 are warm-up (the first runs allocate, the second starts
+    the profiler) and are not recorded; then --profile-steps steps are (with fewer than 3
+    steps: every step). Read one with mxgraph inspect --overlap DIR/rank0.json."""
+    profile_steps: int = 4
+    """Steps --profile records after its 2 warm-up steps."""
 
 
 def seed_everything(seed: int) -> None:
@@ -150,6 +158,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     bar = tqdm(range(start_step, cfg.steps), disable=not progress or rank != 0,
                unit="step", dynamic_ncols=True)
     loss_value = float("nan")
+    profiler = step_profiler(cfg, rank, num_steps=cfg.steps - start_step)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
@@ -172,6 +181,10 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
                 plan, named, optimizer, batches.state_dict(), plan.to_dict()))
             log.info("checkpoint at step %d: %s (%.3f s blocking)", step + 1,
                      result.status, result.blocking_s)
+        if profiler is not None:
+            profiler.step()
+    if profiler is not None:
+        profiler.stop()  # writes the trace if the last recorded step was not the schedule's
     seconds = time.perf_counter() - start
     if checkpointer is not None:
         checkpointer.close()
@@ -182,6 +195,29 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     return {"train_loss": loss_value, "val_loss": val_loss, "seconds": seconds,
             "tokens_per_s": done * cfg.batch_size * cfg.seq_len / seconds,
             "start_step": start_step}
+
+
+def step_profiler(cfg: TrainConfig, rank: int, num_steps: int):
+    """A started torch.profiler.profile whose schedule skips 2 warm-up steps and records
+    `cfg.profile_steps`, writing `cfg.profile`/rank{rank}.json; None without --profile."""
+    if not cfg.profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+    os.makedirs(cfg.profile, exist_ok=True)
+    path = os.path.join(cfg.profile, f"rank{rank}.json")
+    activities = [ProfilerActivity.CPU]
+    if detect().torch_device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    recorded = None if num_steps < 3 else schedule(
+        skip_first=1, wait=0, warmup=1, active=max(1, min(cfg.profile_steps, num_steps - 2)),
+        repeat=1)
+
+    def write(prof) -> None:
+        prof.export_chrome_trace(path)
+        log.info("profiler trace: %s", path)
+    profiler = profile(activities=activities, schedule=recorded, on_trace_ready=write)
+    profiler.start()
+    return profiler
 
 
 def _capture(plan: Plan, named: dict, optimizer, data_position=None,
