@@ -171,7 +171,8 @@ def codegen_step(c: Compilation, ctx: CompileContext):
             joint=joint)
     last = c.stage_graphs[-1].forward.gm.graph.find_nodes(op="output")[0].args[0][0]
     c.executor = PipelineExecutor(c.model, c.schedule, runtimes, c.mesh,
-                                  _shared_parameters(c), loss_meta=last.meta["val"])
+                                  _shared_parameters(c), loss_meta=last.meta["val"],
+                                  p2p_ahead=bool(ctx.plan.overlap and ctx.plan.overlap.p2p))
     return _program_graphs(c)
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from mxgraph.capture import model_tensors, slot_tensor
 from mxgraph.errors import PlanError
 from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.p2p import P2PQueue, RecvSpec
 from mxgraph.runtime.programs import StagePrograms, accumulate_grad
 from mxgraph.schedules import (B, BW, F, OVERLAP_F_B, RECV_F, SEND_B, SEND_F, W,
                                Action, Schedule)
@@ -81,7 +82,8 @@ class PipelineExecutor:
 
     def __init__(self, model: torch.nn.Module, schedule: Schedule,
                  stages: dict[int, StageRuntime], mesh: Mesh,
-                 shared_params: list[tuple[str, set[int]]], loss_meta: torch.Tensor):
+                 shared_params: list[tuple[str, set[int]]], loss_meta: torch.Tensor,
+                 p2p_ahead: bool = False):
         self.model = model
         self.schedule = schedule
         self.stages = stages
@@ -90,6 +92,14 @@ class PipelineExecutor:
         """(parameter name, pipeline ranks holding it) for parameters several ranks use."""
         self.loss_meta = loss_meta
         """The last stage's loss (a fake tensor: its dtype)."""
+        self.p2p_ahead = p2p_ahead
+        """Post receives ahead of their RECV action and batch each SEND's tensors
+        (`runtime/p2p.py`; `Plan.overlap.p2p`). Bitwise-equal to off."""
+        self.p2p_in_issue_order = mesh.device.type != "cpu"
+        """Whether the backend runs this rank's transfers in issue order (nccl/mccl; gloo on
+        the CPU matches on source and tag): then receives are posted no earlier than after
+        the sends listed before them (`p2p.post_points`)."""
+        self._p2p: P2PQueue | None = None  # the running step's transfers, with p2p_ahead
 
     def model_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of the model's parameters this rank's stages read, each once
@@ -171,19 +181,33 @@ class PipelineExecutor:
     def send(self, run: PipelineRun, kind: str, stage: int, mb: int) -> None:
         tensors = (run.acts_out if kind == SEND_F else run.grads_out).pop((stage, mb))
         peer = self._peer(stage + 1 if kind == SEND_F else stage - 1)
+        if self._p2p is not None:
+            run.sends += self._p2p.send(Action(stage, kind, mb), peer,
+                                        self._tag(kind, stage, mb), tensors)
+            return
         for tensor in tensors:
             run.sends.append(dist.isend(tensor.contiguous(), peer,
                                         tag=self._tag(kind, stage, mb)))
 
     def recv(self, run: PipelineRun, kind: str, stage: int, mb: int) -> None:
-        if kind == RECV_F:
+        if self._p2p is not None:
+            buffers = self._p2p.take(Action(stage, kind, mb))
+        else:
+            spec = self._recv_spec(Action(stage, kind, mb))
+            buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.mesh.device)
+                       for m in spec.metas]
+            for buffer in buffers:
+                dist.irecv(buffer, spec.peer, tag=spec.tag).wait()
+        (run.acts_in if kind == RECV_F else run.grads_in)[(stage, mb)] = buffers
+
+    def _recv_spec(self, action: Action) -> RecvSpec:
+        """From whom, under which tag and into what shapes a RECV_F/RECV_B reads."""
+        stage, mb = action.stage, action.microbatch
+        if action.kind == RECV_F:
             metas, sender, sent_kind = self.stages[stage].activation_meta, stage - 1, SEND_F
         else:
             metas, sender, sent_kind = self.stages[stage].output_meta, stage + 1, SEND_B
-        buffers = [torch.empty(m.shape, dtype=m.dtype, device=self.mesh.device) for m in metas]
-        for buffer in buffers:
-            dist.irecv(buffer, self._peer(sender), tag=self._tag(sent_kind, sender, mb)).wait()
-        (run.acts_in if kind == RECV_F else run.grads_in)[(stage, mb)] = buffers
+        return RecvSpec(self._peer(sender), self._tag(sent_kind, sender, mb), metas)
 
     def do(self, run: PipelineRun, action: Action) -> None:
         kind, stage, mb = action.kind, action.stage, action.microbatch
@@ -210,15 +234,21 @@ class PipelineExecutor:
         forward actions of the schedule (and their sends), for an executor compiled
         without gradients (`evaluate`)."""
         run = PipelineRun(microbatches)
-        for action in self.schedule.actions[self.mesh.coords["pp"]]:
-            if training:
+        actions = self.schedule.actions[self.mesh.coords["pp"]]
+        if not training:
+            actions = [part for action in actions for part in action.compute_parts() or (action,)
+                       if part.kind in (F, SEND_F, RECV_F)]
+        self._p2p = P2PQueue(actions, self._recv_spec, device=self.mesh.device,
+                             in_issue_order=self.p2p_in_issue_order) if self.p2p_ahead else None
+        try:
+            for action in actions:
+                if self._p2p is not None:
+                    self._p2p.post_due(action)
                 self.do(run, action)
-                continue
-            for part in action.compute_parts() or (action,):
-                if part.kind in (F, SEND_F, RECV_F):
-                    self.do(run, part)
-                    if part.kind == F:
-                        run.env.pop((part.stage, part.microbatch), None)
+                if not training and action.kind == F:
+                    run.env.pop((action.stage, action.microbatch), None)
+        finally:
+            self._p2p = None
         for work in run.sends:
             work.wait()
         loss = torch.stack([run.losses[m] for m in sorted(run.losses)]).mean() \
