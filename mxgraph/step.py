@@ -22,6 +22,7 @@ from mxgraph.driver import compile_step
 from mxgraph.errors import PlanError
 from mxgraph.plan import Plan
 from mxgraph.runtime.data_parallel import DataParallel, bucket_layout
+from mxgraph.runtime.dp_overlap import BucketOverlap
 from mxgraph.runtime.grad_norm import clip_grad_norm_
 from mxgraph.runtime.mesh import Mesh
 from mxgraph.runtime.param_layout import ParamLayout
@@ -92,6 +93,9 @@ class Step:
         self.data_parallel: DataParallel | None = None
         """This rank's gradient buckets (and ZeRO-1 shards), built after the first compile
         (runtime/data_parallel.py)."""
+        self.bucket_overlaps: dict[int, BucketOverlap] = {}
+        """id(executor) -> its bucket reductions during the backward
+        (`Plan.overlap.dp_buckets`; runtime/dp_overlap.py)."""
 
     def parameters(self):
         """The parameters this rank updates, final as soon as `mx.compile` returns: build
@@ -155,9 +159,32 @@ class Step:
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         executor = self.compiled(*args, **kwargs)
         self.sync_parameters()
-        loss = executor.step(split_microbatches(flat_inputs(args, kwargs),
-                                                self.plan.micro_batches))
-        return self._reduce_data_parallel(loss)
+        overlap = self._bucket_overlap(executor)
+        if overlap is not None:
+            overlap.begin()
+            executor.grad_ready = overlap.grad_ready
+        try:
+            loss = executor.step(split_microbatches(flat_inputs(args, kwargs),
+                                                    self.plan.micro_batches))
+        finally:
+            executor.grad_ready = None
+        return self._reduce_data_parallel(loss, overlap)
+
+    def _bucket_overlap(self, executor: PipelineExecutor) -> BucketOverlap | None:
+        """With `Plan.overlap.dp_buckets` and gradients to reduce: the reductions that
+        start during this step's backward (runtime/dp_overlap.py)."""
+        overlap = self.plan.overlap
+        if overlap is None or not overlap.dp_buckets or not self._reduces():
+            return None
+        key = id(executor)
+        if key not in self.bucket_overlaps:
+            late = {name for name, _ in executor.shared_params}
+            self.bucket_overlaps[key] = BucketOverlap(self._data_parallel(), late)
+        return self.bucket_overlaps[key]
+
+    def _reduces(self) -> bool:
+        """Whether gradients are reduced after a step (dp or cp > 1, or zero1)."""
+        return self.mesh.sizes["dp_cp"] > 1 or self.plan.zero1
 
     def eval_loss(self, *args, **kwargs) -> torch.Tensor:
         """The loss of these inputs, the model in eval mode, no gradients (compiled once
@@ -198,15 +225,19 @@ class Step:
                             ctx.dump_dir)
         return compilation.executor
 
-    def _reduce_data_parallel(self, loss: torch.Tensor) -> torch.Tensor:
+    def _reduce_data_parallel(self, loss: torch.Tensor,
+                              overlap: BucketOverlap | None = None) -> torch.Tensor:
         """Average loss and gradients over the data-parallel group, gradients summed over
         the context-parallel one too (each rank's cover its part of the sequence:
         passes/shard_cp.py); bucket by bucket, reduce-scattered into the shards under zero1
         (runtime/data_parallel.py)."""
         dp = self.mesh.sizes["dp"]
-        if self.mesh.sizes["dp_cp"] == 1 and not self.plan.zero1:
+        if not self._reduces():
             return loss
-        self._data_parallel().reduce()
+        if overlap is not None:
+            overlap.finish()
+        else:
+            self._data_parallel().reduce()
         if dp == 1:
             return loss
         loss = loss.clone()

@@ -14,31 +14,48 @@ from tests.helpers import batch, rel_err
 
 
 def run_plan(model, plan: mx.Plan, tokens, targets, steps: int = 2):
-    """(losses, gradients after step 1 by name, parameters after `steps` AdamW steps)."""
+    """(losses, gradients after step 1 by name, parameters after `steps` AdamW steps);
+    asserts that what the plan overlaps did run asynchronously."""
     step = mx.compile(model, plan)
     step.prepare(tokens, targets)
     opt = torch.optim.AdamW(step.parameters(), lr=1e-2)
     losses, grads = [], {}
     for i in range(steps):
         losses.append(step(tokens, targets))
-        if i == 0:
-            grads = {n: p.grad.clone() for n, p in step.model_parameters() if p.grad is not None}
-            grads.update({n: p.grad.clone() for n, p in step.parameters()
-                          if isinstance(n, str) and p.grad is not None} if plan.zero1 else {})
+        if i == 0:  # the model's parameters' gradients, or under zero1 the shards'
+            grads = {n: p.grad.clone() for n, p in step.named_parameters()
+                     if p.grad is not None}
         opt.step()
         opt.zero_grad()
     step.sync_parameters()
+    if plan.overlap is not None:
+        _check_overlapped(step, plan)
     return losses, grads, {n: p.detach().clone() for n, p in step.model_parameters()}
 
 
-def compare(rank, name, plan_kwargs, overlap, model_kwargs=None, tol=None, dp=1):
-    """Run `plan_kwargs` with overlap None and with `overlap` on the same model copy and
-    data; assert equality (or `tol`)."""
+def _check_overlapped(step, plan: mx.Plan) -> None:
+    """The in-graph collectives are functional starts and waits, and some data-parallel
+    bucket started during the backward."""
+    sources = "".join(program.source for executor in step.executors()
+                      for rt in executor.stages.values() for _, program in rt.programs.all())
+    if plan.tp > 1 or plan.cp > 1:
+        assert "_c10d_functional.wait_tensor" in sources, "no asynchronous collective"
+        assert "mxgraph.tp_all_reduce" not in sources and "sp_all_gather" not in sources
+    if step.mesh.sizes["dp_cp"] > 1 and plan.overlap.dp_buckets:
+        overlaps = list(step.bucket_overlaps.values())
+        assert overlaps and all(o.early for o in overlaps), "no bucket started in the backward"
+
+
+def compare(rank, name, plan_kwargs, overlap=True, model_kwargs=None, tol=None, dp=1):
+    """Run `plan_kwargs` with overlap None and with `overlap` on copies of one model
+    (`name`: a preset, or a function building the model) and the same data (per
+    data-parallel rank: `dp`); assert equality (or relative error within `tol`)."""
     torch.manual_seed(0)
-    base = models.build_model(name, **(model_kwargs or {}))
+    base = name() if callable(name) else models.build_model(name, **(model_kwargs or {}))
     config = base.config if hasattr(base, "config") else None
     vocab = getattr(config, "vocab_size", 256) if config is not None else 256
-    tokens, targets = batch(vocab=vocab, batch_size=4, seq_len=16, seed=rank % dp)
+    inner = plan_kwargs.get("tp", 1) * plan_kwargs.get("cp", 1)  # the mesh's inner axes
+    tokens, targets = batch(vocab=vocab, batch_size=4, seq_len=16, seed=rank // inner % dp)
     results = []
     for option in (None, overlap):
         plan = mx.Plan(**plan_kwargs, overlap=option)

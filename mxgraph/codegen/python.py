@@ -18,7 +18,9 @@ _PIECES = {"F": "forward", "B": "input gradients", "W": "weight gradients"}
 
 
 def generate_program(program: Program, title: str) -> None:
-    """Generate `program`'s function and source (sets `program.fn` and `program.source`)."""
+    """Generate `program`'s function and source (sets `program.fn` and `program.source`);
+    each output in `program.announce` is passed to `program.ready` right after its line."""
+    _announce_calls(program)
     code = program.gm.graph.python_code(root_module="self")
     source = f"# {title}\n" + code.src
     filename = f"<mxgraph-step-{next(_module_ids)}>"
@@ -27,6 +29,23 @@ def generate_program(program: Program, title: str) -> None:
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
     program.fn = namespace["forward"].__get__(program.gm)
     program.source = source
+
+
+def _announce_calls(program: Program) -> None:
+    """A call `announce(i, value)` after the node of each announced output (computed by
+    this program; an input passed through is announced by whoever computes it)."""
+    graph = program.gm.graph
+    by_output = dict(zip(program.outputs, graph.find_nodes(op="output")[0].args[0]))
+
+    def announce(index, value):
+        program.ready(index, value)
+    for index, output in enumerate(program.announce):
+        node = by_output.get(output)
+        if node is None or node.op != "call_function":
+            continue
+        with graph.inserting_after(node):
+            graph.call_function(announce, (index, node))
+    program.gm.recompile()
 
 
 def generate(stages: dict[int, StagePrograms], plan, dump_dir=None) -> str:

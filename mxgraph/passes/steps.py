@@ -155,6 +155,12 @@ def _empty(root: GraphModule) -> Program:
 
 def codegen_step(c: Compilation, ctx: CompileContext):
     """Generate each program's Python code and build this rank's executor."""
+    overlap = ctx.plan.overlap
+    if overlap is not None and overlap.dp_buckets:  # runtime/dp_overlap.py hears of them
+        for programs in c.programs.values():
+            grads = {node for _, node in programs.param_grads}
+            for _, program in programs.all():
+                program.announce = tuple(n for n in program.outputs if n in grads)
     c.source = generate(c.programs, ctx.plan, ctx.dump_dir)
     runtimes = {}
     for stage, programs in c.programs.items():

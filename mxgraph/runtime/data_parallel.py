@@ -31,7 +31,9 @@ after the whole step: after the last micro-batch of a pipeline schedule (and aft
 sum of tied weights' gradients over pipeline ranks), when this rank's gradients are
 final. The compiled graphs run per (stage, micro-batch); a collective inside them would
 run once per micro-batch (micro_batches times the traffic) or need one graph spanning the
-whole schedule. Overlapping bucket reductions with the backward would move it there.
+whole schedule. With `Plan.overlap.dp_buckets` a bucket's collective starts during the
+last micro-batch's backward, as soon as its last gradient exists (`dp_overlap.py`): the
+same `start`, and `complete` after the step.
 """
 from __future__ import annotations
 
@@ -145,33 +147,35 @@ class DataParallel:
         """Average gradients over the data-parallel ranks (and sum them over the context-
         parallel ones): all-reduce each bucket, or under ZeRO-1 reduce-scatter it into its
         shard's `.grad` (added, like backward)."""
-        dp = self.mesh.sizes["dp"]
         for bucket in self.buckets:
-            flat = _flat_grads(bucket)
-            if self.zero1:
-                self._reduce_scatter(bucket, flat, dp)
-            else:
-                self._all_reduce(bucket, flat, dp)
+            self.complete(bucket, self.start(bucket))
 
-    def _all_reduce(self, bucket: Bucket, flat: torch.Tensor, dp: int) -> None:
+    def start(self, bucket: Bucket) -> "Reduction":
+        """Start `bucket`'s collective on its current gradients (asynchronously)."""
+        flat = _flat_grads(bucket)
         group = self.process_group(bucket)
-        if group is not None:
-            dist.all_reduce(flat, group=group)
-        flat.div_(dp)
-        for param, grad in bucket.views(flat):
-            if param.grad is None:
-                param.grad = grad.clone()
-            else:
-                param.grad.copy_(grad)
+        out, work = flat, None
+        if self.zero1:
+            out = flat.clone() if group is None else flat.new_empty(bucket.shard_numel)
+            if group is not None:
+                work = dist.reduce_scatter_single(out, flat, group=group, async_op=True)
+        elif group is not None:
+            work = dist.all_reduce(flat, group=group, async_op=True)
+        return Reduction(out, work)
 
-    def _reduce_scatter(self, bucket: Bucket, flat: torch.Tensor, dp: int) -> None:
-        group = self.process_group(bucket)
-        if group is None:
-            mine = flat.clone()
-        else:
-            mine = flat.new_empty(bucket.shard_numel)
-            dist.reduce_scatter_single(mine, flat, group=group)
-        mine.div_(dp)
+    def complete(self, bucket: Bucket, reduction: "Reduction") -> None:
+        """Wait for `reduction` and write the averaged gradients: the parameters' `.grad`,
+        or under ZeRO-1 the shard's (added) and the parameters' set to None."""
+        if reduction.work is not None:
+            reduction.work.wait()
+        mine = reduction.out.div_(self.mesh.sizes["dp"])
+        if not self.zero1:
+            for param, grad in bucket.views(mine):
+                if param.grad is None:
+                    param.grad = grad.clone()
+                else:
+                    param.grad.copy_(grad)
+            return
         shard = bucket.shard
         if shard.grad is None:
             shard.grad = mine
@@ -222,6 +226,15 @@ class DataParallel:
     def _group_rank(self, bucket: Bucket) -> int:
         group = self.process_group(bucket)
         return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass
+class Reduction:
+    """A bucket's collective in flight: its output buffer and the work to wait on (None
+    when the group is this rank alone)."""
+
+    out: torch.Tensor
+    work: object
 
 
 def _flat_grads(bucket: Bucket) -> torch.Tensor:

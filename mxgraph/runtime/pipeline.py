@@ -59,6 +59,14 @@ class StageRuntime:
     """The stage's joint graph (`joint.JointGraph`) the programs were cut from, after the
     joint passes: for analyses (saved activations, communication)."""
 
+    @property
+    def grad_names(self) -> dict:
+        """Gradient node -> the parameter names it is the gradient of."""
+        names: dict = {}
+        for name, node in self.programs.param_grads:
+            names.setdefault(node, []).append(name)
+        return names
+
 
 @dataclass
 class PipelineRun:
@@ -72,6 +80,10 @@ class PipelineRun:
     grads_out: dict = field(default_factory=dict)
     sends: list = field(default_factory=list)
     losses: dict = field(default_factory=dict)
+    params: dict = field(default_factory=dict)  # name -> parameter (tied ones by each name)
+    announced: dict = field(default_factory=dict)  # (stage, mb) -> gradient nodes accumulated
+    grads_left: dict = field(default_factory=dict)  # name -> final accumulations to come
+    last_weight_mb: dict = field(default_factory=dict)  # PipelineExecutor.last_weight_mb
 
 
 class PipelineExecutor:
@@ -155,8 +167,7 @@ class PipelineExecutor:
         for node, slot in zip(rt.programs.placeholders, rt.slots):
             if slot.kind == "tangent":
                 env[node] = grads[slot.key]
-        with torch.no_grad():
-            rt.programs.backward_input.run(env)
+        self._run_backward(run, stage, mb, rt.programs.backward_input)
         if stage == 0:
             return
         input_grads = [env[rt.programs.input_grads[i]] if i in rt.programs.input_grads
@@ -171,12 +182,59 @@ class PipelineExecutor:
 
     def backward_weight(self, run: PipelineRun, stage: int, mb: int) -> None:
         rt = self.stages[stage]
-        env = run.env.pop((stage, mb))
-        with torch.no_grad():
-            rt.programs.backward_weight.run(env)
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        env = run.env[(stage, mb)]
+        self._run_backward(run, stage, mb, rt.programs.backward_weight)
+        run.env.pop((stage, mb))
+        announced = run.announced.pop((stage, mb), ())
         for name, node in rt.programs.param_grads:
-            accumulate_grad(params[name], env[node])
+            if node not in announced:
+                self._accumulate(run, stage, mb, name, env[node])
+
+    # ---- gradients as they land (Plan.overlap.dp_buckets) ------------------------------
+    grad_ready = None
+    """`grad_ready(name)`, set by the step for one run: called when this rank's gradient
+    of parameter `name` is final (its last stage's last micro-batch accumulated it), while
+    the backward still runs (`runtime/dp_overlap.py`). None: not called."""
+
+    def _run_backward(self, run: PipelineRun, stage: int, mb: int, program) -> None:
+        """Run a B or W program; with `grad_ready`, each parameter gradient it computes
+        is accumulated the moment it exists (`Program.announce`), not after the program."""
+        env = run.env[(stage, mb)]
+        if self.grad_ready is None or not program.announce:
+            with torch.no_grad():
+                program.run(env)
+            return
+        names = self.stages[stage].grad_names
+        announced = run.announced.setdefault((stage, mb), set())
+
+        def on_ready(node, value):
+            announced.add(node)
+            for name in names[node]:
+                self._accumulate(run, stage, mb, name, value)
+        program.on_ready = on_ready
+        try:
+            with torch.no_grad():
+                program.run(env)
+        finally:
+            program.on_ready = None
+
+    def _accumulate(self, run: PipelineRun, stage: int, mb: int, name: str, grad) -> None:
+        accumulate_grad(run.params[name], grad)
+        if self.grad_ready is None or run.last_weight_mb.get(stage) != mb:
+            return
+        run.grads_left[name] -= 1
+        if not run.grads_left[name]:
+            self.grad_ready(name)
+
+    @property
+    def last_weight_mb(self) -> dict[int, int]:
+        """stage -> the micro-batch of this rank's last W (or BW) action of that stage."""
+        last = {}
+        for action in self.schedule.actions[self.mesh.coords["pp"]]:
+            for part in action.compute_parts():
+                if part.kind in (W, BW):
+                    last[part.stage] = part.microbatch
+        return last
 
     def send(self, run: PipelineRun, kind: str, stage: int, mb: int) -> None:
         tensors = (run.acts_out if kind == SEND_F else run.grads_out).pop((stage, mb))
@@ -234,6 +292,11 @@ class PipelineExecutor:
         forward actions of the schedule (and their sends), for an executor compiled
         without gradients (`evaluate`)."""
         run = PipelineRun(microbatches)
+        run.params = dict(self.model.named_parameters(remove_duplicate=False))
+        run.last_weight_mb = self.last_weight_mb
+        for rt in self.stages.values():
+            for name, _ in rt.programs.param_grads:
+                run.grads_left[name] = run.grads_left.get(name, 0) + 1
         actions = self.schedule.actions[self.mesh.coords["pp"]]
         if not training:
             actions = [part for action in actions for part in action.compute_parts() or (action,)

@@ -4,6 +4,11 @@ A `Program` is a piece of a stage's joint graph (`passes/split_bw.py` cuts it): 
 joint-graph nodes from an environment (`dict[Node, Tensor]`, one per stage and micro-batch)
 and writes the nodes it computes back. Codegen gives each program its generated function
 (`fn`); until then it runs its fx GraphModule.
+
+Outputs listed in `announce` are handed to `on_ready(node, value)` the moment the program
+computes them, while the rest of it still runs (codegen writes the call after the node's
+line): the executor hears of each parameter gradient as soon as it exists, so that a
+data-parallel bucket can start its reduction during the backward.
 """
 from __future__ import annotations
 
@@ -24,6 +29,15 @@ class Program:
     """The generated function (codegen); None runs `gm`."""
     source: str = ""
     """The generated Python source (codegen)."""
+    announce: tuple[Node, ...] = ()
+    """Outputs whose values go to `on_ready` as soon as they are computed."""
+    on_ready: object = None
+    """`on_ready(node, value)`, set by the executor for the run at hand; None: silent."""
+
+    def ready(self, index: int, value: torch.Tensor) -> None:
+        """Called by the generated code when `announce[index]` is computed."""
+        if self.on_ready is not None:
+            self.on_ready(self.announce[index], value)
 
     def run(self, env: dict[Node, torch.Tensor]) -> None:
         values = (self.fn or self.gm)(*[env[n] for n in self.inputs])

@@ -1,0 +1,189 @@
+"""Communication-compute overlap on a shaped link: overlap off vs on, side by side.
+
+For each link rate (the loopback of a private network namespace rate-limited with tc tbf:
+../shared/tools/shaped-link, the same `unshare -n` + `tc qdisc ... tbf` commands the issue
+gives), 2 gloo ranks run llama-20m under dp2, tp2+SP, pp2 1f1b and pp2 dualpipev, each with
+`Plan(overlap=None)` and `Plan(overlap=True)`, plus torch.distributed.pipelining's
+Schedule1F1B on the same link as the peer for pp2. Per row: median step time, the
+communication time and the exposed part of it from a torch.profiler trace of one step
+(mxgraph/overlap_report.py: time the compute thread spends blocked on transfers), the
+fraction hidden, and the step-time ratio off/on (> 1: overlap faster).
+
+    python benchmarks/bench_overlap.py [--rates 1gbit,4gbit] [--model llama-20m]
+        [--steps 5] [--batch-size 4] [--seq-len 128] [--micro-batches 4]
+        [--out bench_results/overlap.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPED_LINK = ROOT.parent / "shared" / "tools" / "shaped-link"
+LAYOUTS = {  # name -> Plan fields
+    "dp2": dict(dp=2),
+    "tp2+SP": dict(tp=2, sequence_parallel=True),
+    "pp2 1f1b": dict(pp=2, schedule="1f1b"),
+    "pp2 dualpipev": dict(pp=2, schedule="dualpipev"),
+}
+
+
+def _median_step(fn, steps: int) -> float:
+    fn()  # warm-up: compiles
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _profiled(fn, path: Path) -> dict:
+    """Profile one call of `fn` into a Chrome trace at `path`; its overlap summary."""
+    import torch.profiler as profiler
+
+    from mxgraph.overlap_report import overlap_summary
+    with profiler.profile(activities=[profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    prof.export_chrome_trace(str(path))
+    return overlap_summary(path)
+
+
+def worker(args) -> None:
+    """One rank under torchrun: every layout, overlap off and on, and the peer."""
+    import torch
+    import torch.distributed as dist
+
+    import models
+    import mxgraph as mx
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g)
+    targets = torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g)
+    rows, traces = [], Path(args.traces)
+    for layout, fields in LAYOUTS.items():
+        if "pp" in fields:
+            fields = dict(fields, micro_batches=args.micro_batches)
+        for overlap in (None, True):
+            torch.manual_seed(0)
+            model = models.build_model(args.model)
+            step = mx.compile(model, mx.Plan(**fields, overlap=overlap))
+            opt = torch.optim.AdamW(step.parameters() if "pp" not in fields else
+                                    model.parameters(), lr=1e-4)
+
+            def train_step():
+                step(tokens, targets)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            seconds = _median_step(train_step, args.steps)
+            name = f"{layout.replace(' ', '_').replace('+', '')}_{'on' if overlap else 'off'}"
+            summary = _profiled(train_step, traces / f"{name}.rank{rank}.json")
+            rows.append(_row(args.rate, layout, "on" if overlap else "off", seconds, summary))
+            del step, opt, model
+    rows.append(_peer_row(args, rank, tokens, targets, traces))
+    if rank == 0:
+        Path(args.json).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _row(rate, layout, overlap, seconds, summary) -> dict:
+    total, exposed = summary["total"]["comm_ms"], summary["total"]["exposed_ms"]
+    return {"rate": rate, "layout": layout, "overlap": overlap, "step_s": seconds,
+            "comm_ms": total, "exposed_ms": exposed,
+            "hidden": 1 - exposed / total if total > 0 else 0.0,
+            "by_kind": summary["kinds"]}
+
+
+def _peer_row(args, rank, tokens, targets, traces) -> dict:
+    """torch.distributed.pipelining's Schedule1F1B on the same link: the peer for pp2."""
+    import torch
+    import torch.distributed.pipelining as pipelining
+
+    import models
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_pipeline_real import StageModule, _loss
+    torch.manual_seed(0)
+    model = models.build_model(args.model)
+    per = model.config.n_layers // 2
+    stage = pipelining.PipelineStage(StageModule(model, rank * per, (rank + 1) * per,
+                                                 rank == 0, rank == 1), rank, 2,
+                                     torch.device("cpu"))
+    schedule = pipelining.Schedule1F1B(stage, n_microbatches=args.micro_batches,
+                                       loss_fn=_loss)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train_step():
+        if rank == 0:
+            schedule.step(tokens)
+        else:
+            schedule.step(target=targets)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    seconds = _median_step(train_step, args.steps)
+    summary = _profiled(train_step, traces / f"torch_1f1b.rank{rank}.json")
+    return _row(args.rate, "pp2 1f1b", "torch Schedule1F1B", seconds, summary)
+
+
+def run_rate(args, rate: str, traces: Path) -> list[dict]:
+    """Launch the 2 ranks on a link of `rate` ("none": the unshaped loopback)."""
+    out = Path(tempfile.mkstemp(suffix=".json")[1])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", __file__, "--worker", "--rate", rate,
+               "--json", str(out), "--traces", str(traces), "--model", args.model,
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+               "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches)]
+    if rate != "none":
+        command = [str(SHAPED_LINK), rate, "--"] + command
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    subprocess.run(command, check=True, env=env)
+    return json.loads(out.read_text())
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="1gbit,4gbit",
+                        help="comma list of tc rates, or 'none' for the plain loopback")
+    parser.add_argument("--model", default="llama-20m")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per row")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--micro-batches", type=int, default=4, help="for the pp2 rows")
+    parser.add_argument("--out", type=Path, default=Path("bench_results/overlap.json"))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rate", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    parser.add_argument("--traces", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return []
+    traces = args.out.parent / "overlap_traces"
+    traces.mkdir(parents=True, exist_ok=True)
+    rows = [row for rate in args.rates.split(",") for row in run_rate(args, rate, traces)]
+    print_table(rows)
+    args.out.write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'rate':<6} {'layout':<14} {'overlap':<19} {'step s':>7} {'comm ms':>8} "
+          f"{'exposed':>8} {'hidden':>7} {'off/on':>7}")
+    off = {(r["rate"], r["layout"]): r["step_s"] for r in rows if r["overlap"] == "off"}
+    for r in rows:
+        ratio = off[(r["rate"], r["layout"])] / r["step_s"]
+        print(f"{r['rate']:<6} {r['layout']:<14} {r['overlap']:<19} {r['step_s']:>7.3f} "
+              f"{r['comm_ms']:>8.1f} {r['exposed_ms']:>8.1f} {r['hidden']:>7.0%} "
+              f"{ratio:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Data-parallel reductions during the backward (`Plan.overlap.dp_buckets`), as DDP's.
+
+    overlap = BucketOverlap(dp, late={"emb.weight"})
+    overlap.begin()                     # before the step
+    executor.grad_ready = overlap.grad_ready
+    executor.step(...)                  # grad_ready(name) as each final gradient lands
+    overlap.finish()                    # the remaining buckets, then wait and average
+
+The executor calls `grad_ready(name)` when this rank's gradient of parameter `name` is
+final for the step: accumulated from the last micro-batch's weight-gradient program of
+every stage of this rank that reads it. A bucket whose parameters are all final starts its
+collective (`DataParallel.start`) while the backward goes on. `finish` starts the rest (a
+parameter without a gradient on this rank, one shared by several pipeline ranks, whose
+gradient is summed over them after the schedule: `late`), then waits for every bucket in
+bucket order and writes the averages (`DataParallel.complete`).
+
+The collectives reduce the same buffers as `DataParallel.reduce`: bitwise the same
+gradients. Every data-parallel rank runs the same programs in the same order, so each
+issues the buckets' collectives in the same order.
+"""
+from __future__ import annotations
+
+from mxgraph.runtime.data_parallel import DataParallel
+
+
+class BucketOverlap:
+    """The reductions of one `DataParallel`'s buckets, started as their gradients land."""
+
+    def __init__(self, dp: DataParallel, late: set[str] = frozenset()):
+        self.dp = dp
+        self.bucket_of = {name: i for i, b in enumerate(dp.buckets) for name in b.names}
+        self.late = {i for i, b in enumerate(dp.buckets) if late & set(b.names)}
+        self.waiting: dict[int, set[str]] = {}
+        self.started: dict = {}
+        self.early: list[int] = []
+        """The buckets whose collectives started during the last step's backward, in the
+        order they started (the others started in `finish`)."""
+
+    def begin(self) -> None:
+        self.waiting = {i: set(b.names) for i, b in enumerate(self.dp.buckets)}
+        self.started = {}
+        self.early = []
+
+    def grad_ready(self, name: str) -> None:
+        index = self.bucket_of.get(name)
+        if index is None or index in self.started:
+            return
+        self.waiting[index].discard(name)
+        if not self.waiting[index] and index not in self.late:
+            self.started[index] = self.dp.start(self.dp.buckets[index])
+            self.early.append(index)
+
+    def finish(self) -> None:
+        for index, bucket in enumerate(self.dp.buckets):
+            if index not in self.started:
+                self.started[index] = self.dp.start(bucket)
+        for index, bucket in enumerate(self.dp.buckets):
+            self.dp.complete(bucket, self.started.pop(index))
