@@ -6,6 +6,6 @@
 """
 from mxgraph.compile import Step, compile  # noqa: A004
 from mxgraph.errors import PlanError, TraceError
-from mxgraph.plan import MoEOptions, Plan
+from mxgraph.plan import MoEOptions, OverlapOptions, Plan
 
-__all__ = ["MoEOptions", "Plan", "PlanError", "Step", "TraceError", "compile"]
+__all__ = ["MoEOptions", "OverlapOptions", "Plan", "PlanError", "Step", "TraceError", "compile"]

@@ -21,6 +21,9 @@ from mxgraph.ir import schema_arg
 from mxgraph.runtime.collectives import KIND, VOLUME
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
+FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+              "reduce_scatter_tensor": "reduce_scatter"}
+"""torch's functional collectives (the asynchronous form, Plan.overlap) by op name."""
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,13 @@ def collective_call(node: torch.fx.Node, unbacked=None) -> tuple[str, str, int] 
     convention (the all-gather's output, otherwise the tensor it is given); unbacked
     sizes as in `size`."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
-            target.namespace != "mxgraph":
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    if target.namespace == "_c10d_functional" and target.__name__.split(".")[0] in FUNCTIONAL:
+        kind = FUNCTIONAL[target.__name__.split(".")[0]]  # a start of overlap_async.py's
+        value = (node if kind == "all_gather" else node.args[0]).meta.get("val")
+        return kind, node.args[-1], tensor_bytes(value, unbacked)
+    if target.namespace != "mxgraph":
         return None
     name = target._schema.name.split("::", 1)[1]
     kind = KIND.get(name)

@@ -158,16 +158,22 @@ class Step:
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         executor = self.compiled(*args, **kwargs)
-        self.sync_parameters()
         overlap = self._bucket_overlap(executor)
         if overlap is not None:
             overlap.begin()
             executor.grad_ready = overlap.grad_ready
+            if self.plan.zero1:  # the shards' all-gather overlaps this forward
+                overlap.gather_start()
+                executor.param_needed = overlap.gathered
+        else:
+            self.sync_parameters()
         try:
             loss = executor.step(split_microbatches(flat_inputs(args, kwargs),
                                                     self.plan.micro_batches))
         finally:
-            executor.grad_ready = None
+            executor.grad_ready = executor.param_needed = None
+            if overlap is not None:
+                overlap.gather_finish()
         return self._reduce_data_parallel(loss, overlap)
 
     def _bucket_overlap(self, executor: PipelineExecutor) -> BucketOverlap | None:
@@ -178,7 +184,8 @@ class Step:
             return None
         key = id(executor)
         if key not in self.bucket_overlaps:
-            late = {name for name, _ in executor.shared_params}
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            late = {id(params[name]) for name, _ in executor.shared_params}
             self.bucket_overlaps[key] = BucketOverlap(self._data_parallel(), late)
         return self.bucket_overlaps[key]
 

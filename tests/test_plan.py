@@ -9,10 +9,12 @@ from mxgraph.errors import PlanError
 def test_toml_round_trip(tmp_path):
     plan = Plan(tp=2, pp=2, vpp=2, schedule="interleaved", recompute="norm,act",
                 recompute_stages={0: "full"}, fusion="swiglu,rope",
-                moe={"capacity_factor": 1.25}, disable_passes=("dead_code",))
+                moe={"capacity_factor": 1.25}, disable_passes=("dead_code",),
+                overlap={"max_in_flight_mb": 64.0, "p2p": False})
     path = tmp_path / "plan.toml"
     path.write_text(plan.to_toml())
     assert Plan.from_toml(path) == plan
+    assert Plan(overlap=True).overlap == mx.OverlapOptions() and Plan(overlap=False).overlap is None
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -24,6 +26,10 @@ def test_toml_round_trip(tmp_path):
     (dict(offload="kv"), ["offload", "'kv'"]),
     (dict(fusion="swigl"), ["fusion", "swiglu"]),
     (dict(ep=2, moe={"adaptive_recompute_threshold": 8}), ["adaptive_recompute_threshold", "ep=1"]),
+    (dict(overlap={"max_in_flight_mb": 0}), ["overlap.max_in_flight_mb=0", "positive"]),
+    (dict(overlap={"tp_chunks": 2}), ["overlap.tp_chunks=2", "sequence_parallel=True"]),
+    (dict(overlap={"reorder": "yes"}), ["overlap.reorder", "boolean"]),
+    (dict(overlap={"reordr": True}), ["overlap.reordr", "overlap.reorder"]),
 ])
 def test_bad_fields_name_the_field_and_a_fix(kwargs, words):
     with pytest.raises(PlanError) as info:
@@ -60,6 +66,8 @@ def test_unbuilt_capabilities_are_refused_by_name(name):
         "ep": Plan(ep=2), "cp": Plan(cp=2), "dp": Plan(dp=2), "zero1": Plan(zero1=True),
         "micro_batches": Plan(micro_batches=2), "layout": Plan(layout="E t | t L"),
         "empty_layers": Plan(empty_layers=True),
+        "overlap.tp_chunks": Plan(tp=2, sequence_parallel=True, overlap={"tp_chunks": 2}),
+        "overlap.copy_engine": Plan(overlap={"copy_engine": True}),
         "moe.capacity_factor": Plan(moe={"capacity_factor": 1.0}),
         "moe.hot_expert_replication": Plan(moe={"hot_expert_replication": True}),
         "moe.batched_gemm": Plan(moe={"batched_gemm": True}),

@@ -21,6 +21,7 @@ def generate_program(program: Program, title: str) -> None:
     """Generate `program`'s function and source (sets `program.fn` and `program.source`);
     each output in `program.announce` is passed to `program.ready` right after its line."""
     _announce_calls(program)
+    _need_calls(program)
     code = program.gm.graph.python_code(root_module="self")
     source = f"# {title}\n" + code.src
     filename = f"<mxgraph-step-{next(_module_ids)}>"
@@ -45,6 +46,24 @@ def _announce_calls(program: Program) -> None:
             continue
         with graph.inserting_after(node):
             graph.call_function(announce, (index, node))
+    program.gm.recompile()
+
+
+def _need_calls(program: Program) -> None:
+    """A call `need(i)` right before the first user of each input in `program.needs`."""
+    graph = program.gm.graph
+    local = dict(zip(program.inputs, graph.find_nodes(op="placeholder")))
+    order = {node: i for i, node in enumerate(graph.nodes)}
+
+    def need(index):
+        program.need(index)
+    for index, joint_node in enumerate(program.needs):
+        node = local.get(joint_node)
+        users = [u for u in node.users if u.op != "output"] if node is not None else []
+        if not users:
+            continue
+        with graph.inserting_before(min(users, key=order.get)):
+            graph.call_function(need, (index,))
     program.gm.recompile()
 
 

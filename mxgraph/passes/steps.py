@@ -157,10 +157,13 @@ def codegen_step(c: Compilation, ctx: CompileContext):
     """Generate each program's Python code and build this rank's executor."""
     overlap = ctx.plan.overlap
     if overlap is not None and overlap.dp_buckets:  # runtime/dp_overlap.py hears of them
-        for programs in c.programs.values():
+        for stage, programs in c.programs.items():
             grads = {node for _, node in programs.param_grads}
+            params = {n for n, slot in zip(programs.placeholders, joint_slots(c, stage))
+                      if slot.kind == "param"} if ctx.plan.zero1 else set()
             for _, program in programs.all():
                 program.announce = tuple(n for n in program.outputs if n in grads)
+                program.needs = tuple(n for n in program.inputs if n in params)
     c.source = generate(c.programs, ctx.plan, ctx.dump_dir)
     runtimes = {}
     for stage, programs in c.programs.items():
@@ -180,6 +183,12 @@ def codegen_step(c: Compilation, ctx: CompileContext):
                                   _shared_parameters(c), loss_meta=last.meta["val"],
                                   p2p_ahead=bool(ctx.plan.overlap and ctx.plan.overlap.p2p))
     return _program_graphs(c)
+
+
+def joint_slots(c: Compilation, stage: int) -> list:
+    """The slots of a stage's program placeholders (`StagePrograms.placeholders`)."""
+    joint = c.joints.get(stage)
+    return joint.inputs if joint else c.stage_graphs[stage].forward.slots
 
 
 def _program_graphs(c: Compilation):

@@ -190,16 +190,24 @@ class DataParallel:
         if not self.zero1:
             return
         for bucket in self.buckets:
-            group = self.process_group(bucket)
-            shard = bucket.shard.detach()
-            if group is None:
-                flat = shard
-            else:
-                flat = shard.new_empty(bucket.padded_numel)
-                dist.all_gather_single(flat, shard, group=group)
-            with torch.no_grad():
-                for param, value in bucket.views(flat):
-                    param.copy_(value)
+            self.gather_complete(bucket, *self.gather_start(bucket))
+
+    def gather_start(self, bucket: Bucket):
+        """ZeRO-1: start the all-gather of `bucket`'s shards; (flat values, work or None)."""
+        group = self.process_group(bucket)
+        shard = bucket.shard.detach()
+        if group is None:
+            return shard, None
+        flat = shard.new_empty(bucket.padded_numel)
+        return flat, dist.all_gather_single(flat, shard, group=group, async_op=True)
+
+    def gather_complete(self, bucket: Bucket, flat: torch.Tensor, work) -> None:
+        """Wait for a `gather_start` and copy the values into the bucket's parameters."""
+        if work is not None:
+            work.wait()
+        with torch.no_grad():
+            for param, value in bucket.views(flat):
+                param.copy_(value)
 
     def shard_pieces(self, bucket: Bucket):
         """ZeRO-1: (parameter, the part of this rank's shard gradient that holds a slice of

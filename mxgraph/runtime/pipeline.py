@@ -82,7 +82,7 @@ class PipelineRun:
     losses: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)  # name -> parameter (tied ones by each name)
     announced: dict = field(default_factory=dict)  # (stage, mb) -> gradient nodes accumulated
-    grads_left: dict = field(default_factory=dict)  # name -> final accumulations to come
+    grads_left: dict = field(default_factory=dict)  # id(param) -> final accumulations to come
     last_weight_mb: dict = field(default_factory=dict)  # PipelineExecutor.last_weight_mb
 
 
@@ -192,9 +192,25 @@ class PipelineExecutor:
 
     # ---- gradients as they land (Plan.overlap.dp_buckets) ------------------------------
     grad_ready = None
-    """`grad_ready(name)`, set by the step for one run: called when this rank's gradient
-    of parameter `name` is final (its last stage's last micro-batch accumulated it), while
-    the backward still runs (`runtime/dp_overlap.py`). None: not called."""
+    """`grad_ready(parameter)`, set by the step for one run: called when this rank's
+    gradient of the parameter is final (the last micro-batch of every stage of this rank
+    that reads it, under any of its names, accumulated it), while the backward still runs
+    (`runtime/dp_overlap.py`). None: not called."""
+
+    param_needed = None
+    """`param_needed(parameter)`, set by the step for one run: called right before a
+    program first reads the parameter (ZeRO-1's all-gather of it may still be in flight:
+    `runtime/dp_overlap.py`). None: not called."""
+
+    def _listen_for_parameters(self, callback) -> None:
+        """Route every program's `on_need` to `callback(parameter)` (None: off)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for rt in self.stages.values():
+            held = {node: params[slot.key] for node, slot in
+                    zip(rt.programs.placeholders, rt.slots) if slot.kind == "param"}
+            for _, program in rt.programs.all():
+                program.on_need = None if callback is None or not program.needs else \
+                    (lambda node, held=held: callback(held[node]))
 
     def _run_backward(self, run: PipelineRun, stage: int, mb: int, program) -> None:
         """Run a B or W program; with `grad_ready`, each parameter gradient it computes
@@ -222,9 +238,10 @@ class PipelineExecutor:
         accumulate_grad(run.params[name], grad)
         if self.grad_ready is None or run.last_weight_mb.get(stage) != mb:
             return
-        run.grads_left[name] -= 1
-        if not run.grads_left[name]:
-            self.grad_ready(name)
+        param = run.params[name]
+        run.grads_left[id(param)] -= 1
+        if not run.grads_left[id(param)]:
+            self.grad_ready(param)
 
     @property
     def last_weight_mb(self) -> dict[int, int]:
@@ -296,13 +313,15 @@ class PipelineExecutor:
         run.last_weight_mb = self.last_weight_mb
         for rt in self.stages.values():
             for name, _ in rt.programs.param_grads:
-                run.grads_left[name] = run.grads_left.get(name, 0) + 1
+                key = id(run.params[name])
+                run.grads_left[key] = run.grads_left.get(key, 0) + 1
         actions = self.schedule.actions[self.mesh.coords["pp"]]
         if not training:
             actions = [part for action in actions for part in action.compute_parts() or (action,)
                        if part.kind in (F, SEND_F, RECV_F)]
         self._p2p = P2PQueue(actions, self._recv_spec, device=self.mesh.device,
                              in_issue_order=self.p2p_in_issue_order) if self.p2p_ahead else None
+        self._listen_for_parameters(self.param_needed)
         try:
             for action in actions:
                 if self._p2p is not None:
@@ -312,6 +331,7 @@ class PipelineExecutor:
                     run.env.pop((action.stage, action.microbatch), None)
         finally:
             self._p2p = None
+            self._listen_for_parameters(None)
         for work in run.sends:
             work.wait()
         loss = torch.stack([run.losses[m] for m in sorted(run.losses)]).mean() \

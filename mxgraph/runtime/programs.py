@@ -8,7 +8,9 @@ and writes the nodes it computes back. Codegen gives each program its generated 
 Outputs listed in `announce` are handed to `on_ready(node, value)` the moment the program
 computes them, while the rest of it still runs (codegen writes the call after the node's
 line): the executor hears of each parameter gradient as soon as it exists, so that a
-data-parallel bucket can start its reduction during the backward.
+data-parallel bucket can start its reduction during the backward. Inputs listed in
+`needs` go to `on_need(node)` right before the program's first use of them: a ZeRO-1
+parameter is then waited for only where the step reads it.
 """
 from __future__ import annotations
 
@@ -33,6 +35,17 @@ class Program:
     """Outputs whose values go to `on_ready` as soon as they are computed."""
     on_ready: object = None
     """`on_ready(node, value)`, set by the executor for the run at hand; None: silent."""
+
+    needs: tuple[Node, ...] = ()
+    """Inputs announced to `on_need(node)` right before the program first reads them."""
+    on_need: object = None
+    """`on_need(node)`, set by the executor for the run at hand (a ZeRO-1 parameter whose
+    all-gather is still in flight is waited for there); None: silent."""
+
+    def need(self, index: int) -> None:
+        """Called by the generated code right before `needs[index]` is first read."""
+        if self.on_need is not None:
+            self.on_need(self.needs[index])
 
     def ready(self, index: int, value: torch.Tensor) -> None:
         """Called by the generated code when `announce[index]` is computed."""
