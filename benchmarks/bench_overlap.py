@@ -3,14 +3,14 @@
 For each link rate (the loopback of a private network namespace rate-limited with tc tbf:
 ../shared/tools/shaped-link, the same `unshare -n` + `tc qdisc ... tbf` commands the issue
 gives), 2 gloo ranks run llama-20m under dp2, tp2+SP, pp2 1f1b and pp2 dualpipev, each with
-`Plan(overlap=None)` and `Plan(overlap=True)`, plus torch.distributed.pipelining's
+`Plan(overlap=None)` and `Plan(overlap=True)` (tp2+SP also with `tp_chunks`), plus torch.distributed.pipelining's
 Schedule1F1B on the same link as the peer for pp2. Per row: median step time, the
 communication time and the exposed part of it from a torch.profiler trace of one step
 (mxgraph/overlap_report.py: time the compute thread spends blocked on transfers), the
 fraction hidden, and the step-time ratio off/on (> 1: overlap faster).
 
     python benchmarks/bench_overlap.py [--rates 1gbit,4gbit] [--model llama-20m]
-        [--steps 5] [--batch-size 4] [--seq-len 128] [--micro-batches 4]
+        [--steps 5] [--batch-size 4] [--seq-len 128] [--micro-batches 4] [--tp-chunks 4]
         [--out bench_results/overlap.json]
 """
 from __future__ import annotations
@@ -73,7 +73,8 @@ def worker(args) -> None:
     for layout, fields in LAYOUTS.items():
         if "pp" in fields:
             fields = dict(fields, micro_batches=args.micro_batches)
-        for overlap in (None, True):
+        options = [None, True] + ([{"tp_chunks": args.tp_chunks}] if "tp" in fields else [])
+        for overlap in options:
             torch.manual_seed(0)
             model = models.build_model(args.model)
             step = mx.compile(model, mx.Plan(**fields, overlap=overlap))
@@ -85,9 +86,10 @@ def worker(args) -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             seconds = _median_step(train_step, args.steps)
-            name = f"{layout.replace(' ', '_').replace('+', '')}_{'on' if overlap else 'off'}"
+            label = _label(overlap)
+            name = f"{layout.replace(' ', '_').replace('+', '')}_{label.replace(' ', '')}"
             summary = _profiled(train_step, traces / f"{name}.rank{rank}.json")
-            rows.append(_row(args.rate, layout, "on" if overlap else "off", seconds, summary))
+            rows.append(_row(args.rate, layout, label, seconds, summary))
             del step, opt, model
     rows.append(_peer_row(args, rank, tokens, targets, traces))
     if rank == 0:
@@ -95,8 +97,14 @@ def worker(args) -> None:
     dist.destroy_process_group()
 
 
+def _label(overlap) -> str:
+    if overlap is None:
+        return "off"
+    return "on" if overlap is True else f"on, {overlap['tp_chunks']} chunks"
+
+
 def _row(rate, layout, overlap, seconds, summary) -> dict:
-    total, exposed = summary["total"]["comm_ms"], summary["total"]["exposed_ms"]
+    total, exposed = summary["all"]["total_ms"], summary["all"]["exposed_ms"]
     return {"rate": rate, "layout": layout, "overlap": overlap, "step_s": seconds,
             "comm_ms": total, "exposed_ms": exposed,
             "hidden": 1 - exposed / total if total > 0 else 0.0,
@@ -140,7 +148,8 @@ def run_rate(args, rate: str, traces: Path) -> list[dict]:
                "--nproc-per-node", "2", __file__, "--worker", "--rate", rate,
                "--json", str(out), "--traces", str(traces), "--model", args.model,
                "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-               "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches)]
+               "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches),
+               "--tp-chunks", str(args.tp_chunks)]
     if rate != "none":
         command = [str(SHAPED_LINK), rate, "--"] + command
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -157,6 +166,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--micro-batches", type=int, default=4, help="for the pp2 rows")
+    parser.add_argument("--tp-chunks", type=int, default=4,
+                        help="overlap.tp_chunks of the extra tp2+SP row")
     parser.add_argument("--out", type=Path, default=Path("bench_results/overlap.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rate", help=argparse.SUPPRESS)

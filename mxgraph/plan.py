@@ -408,8 +408,6 @@ def check_divides(axis: str, degree: int, what: str, total: int) -> None:
 # Capabilities not built yet: (field, test on the plan, what is missing). A plan that asks
 # for one raises PlanError at compile time; the entry goes when the capability lands.
 NOT_BUILT = [
-    ("overlap.tp_chunks", lambda p: p.overlap is not None and p.overlap.tp_chunks > 1,
-     "the chunked TP GEMM + all-gather/reduce-scatter decomposition"),
     ("overlap.copy_engine", lambda p: p.overlap is not None and p.overlap.copy_engine,
      "copy-engine (SDMA) transfers"),
     ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),

@@ -1,7 +1,7 @@
 """Overlap on vs off, in one set of gloo processes: the loss and the gradients after the
 first step, and the parameters after two AdamW steps, compared with `torch.equal` (the
 reorder pass, async collectives, bucket timing and pipeline transfers claim bitwise
-equality), or within `tol` relative for chunked TP GEMMs."""
+equality), or within `tol` relative for chunked TP GEMMs (parameters: 10 * tol)."""
 from __future__ import annotations
 
 import copy
@@ -41,6 +41,8 @@ def _check_overlapped(step, plan: mx.Plan) -> None:
     if plan.tp > 1 or plan.cp > 1:
         assert "_c10d_functional.wait_tensor" in sources, "no asynchronous collective"
         assert "mxgraph.tp_all_reduce" not in sources and "sp_all_gather" not in sources
+    if plan.overlap.tp_chunks > 1:  # the chunks' outputs are stacked back in rank order
+        assert "torch.ops.aten.stack" in sources, "no TP GEMM was chunked"
     if step.mesh.sizes["dp_cp"] > 1 and plan.overlap.dp_buckets:
         overlaps = list(step.bucket_overlaps.values())
         assert overlaps and all(o.early for o in overlaps), "no bucket started in the backward"
@@ -67,8 +69,9 @@ def compare(rank, name, plan_kwargs, overlap=True, model_kwargs=None, tol=None, 
         _same(a, b, tol, f"{label}: loss")
     for key in grads_a:
         _same(grads_a[key], grads_b[key], tol, f"{label}: grad {key}")
-    for key in params_a:
-        _same(params_a[key], params_b[key], tol, f"{label}: param {key}")
+    for key in params_a:  # AdamW (lr 1e-2) turns rounding-level gradient differences
+        # into steps of up to lr: parameters get ten times the bound
+        _same(params_a[key], params_b[key], tol and 10 * tol, f"{label}: param {key}")
 
 
 def _same(a, b, tol, what):

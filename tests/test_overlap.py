@@ -1,7 +1,8 @@
 """Overlap on vs off (`Plan(overlap=True)`: async collectives reordered, buckets reduced
-during the backward, pipeline receives posted ahead) on gloo ranks: loss, gradients after
-the first step and parameters after two AdamW steps bitwise equal (`torch.equal`,
-tests/overlap_checks.py), on the presets and Hugging Face models, per layout. Each case
+during the backward, ZeRO-1 gathers during the forward, pipeline receives posted ahead) on
+gloo ranks: loss, gradients after the first step and parameters after two AdamW steps
+bitwise equal (`torch.equal`, tests/overlap_checks.py); chunked TP GEMMs within the bound
+of `CHUNKED`; on the presets and Hugging Face models, per layout. Each case
 also checks that the overlap ran: functional starts and waits in the programs, buckets
 started in the backward. One launch per world size. The pipeline transfers alone (p2p on
 vs off) under 1f1b, zbh1 and dualpipev: tests/test_pipeline_p2p.py; GPT's Conv1D layout
@@ -39,9 +40,18 @@ FOUR_RANKS = [
 ]
 
 
+CHUNKED = [("llama-tiny", 2), (hf("llama"), 4)]
+"""Chunked TP GEMMs (`overlap.tp_chunks`) under tp2+SP: row blocks round differently, so
+loss and gradients within 1e-5 relative, parameters after two AdamW steps within 1e-4."""
+
+
 def _cases(rank, world, cases):
     for name, plan, model_kwargs, dp in cases:
         compare(rank, name, plan, True, model_kwargs=model_kwargs, dp=dp)
+    if world == 2:
+        for name, chunks in CHUNKED:
+            compare(rank, name, dict(tp=2, sequence_parallel=True), {"tp_chunks": chunks},
+                    tol=1e-5)
 
 
 @pytest.mark.parametrize("world", [2, 4])

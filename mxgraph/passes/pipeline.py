@@ -15,6 +15,7 @@ from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass
 from mxgraph.passes.offload import offload_pass
 from mxgraph.passes.overlap_async import overlap_async_pass
 from mxgraph.passes.overlap_reorder import overlap_reorder_pass
+from mxgraph.passes.overlap_tp import overlap_tp_pass
 from mxgraph.passes.remat import remat_pass
 from mxgraph.passes.fuse import fuse_pass
 from mxgraph.passes.fuse_grad import fuse_residual_grad_pass
@@ -38,6 +39,9 @@ FORWARD_PASSES = [
     PassSpec("fuse", fuse_pass, "forward",
              "before autograd: AOTAutograd derives each fused op's backward from its formula",
              adds_random=True),  # a fused bias-dropout-add replaces a dropout
+    PassSpec("overlap_tp", overlap_tp_pass, "forward",
+             "after sharding and fusion (it splits the linear layers that stay plain around "
+             "the SP collectives), before autograd: the chunks' backward is derived chunked"),
 ]
 
 JOINT_PASSES = [
