@@ -63,11 +63,14 @@ class OverlapOptions:
     """Pipeline executor: receives posted ahead of their use, sends batched, and
     DualPipeV's F&B pairs interleaved."""
     copy_engine: bool = False
-    """Transfers with no compute dependency inside a node (pipeline P2P, DP buckets) run on
-    a dedicated stream through copy-engine paths (on the CPU: a separate thread)."""
+    """The data-parallel buckets' reductions and ZeRO-1's gathers run off the compute lane
+    (`runtime/copy_engine.py`): on the CPU a separate thread; on a GPU a dedicated stream,
+    through the collective library (copy-engine kernels are not built yet: needs
+    `fallback=True` there)."""
     fallback: bool = False
-    """With copy_engine on a device without copy engines: run the transfers as ordinary
-    collectives (True) or refuse the plan (False)."""
+    """Where copy_engine cannot use copy engines (a GPU in this version, or a device
+    without them): run the transfers through the collective library from the dedicated
+    lane (True) or refuse the plan (False)."""
 
 
 @dataclass(kw_only=True)
@@ -408,8 +411,6 @@ def check_divides(axis: str, degree: int, what: str, total: int) -> None:
 # Capabilities not built yet: (field, test on the plan, what is missing). A plan that asks
 # for one raises PlanError at compile time; the entry goes when the capability lands.
 NOT_BUILT = [
-    ("overlap.copy_engine", lambda p: p.overlap is not None and p.overlap.copy_engine,
-     "copy-engine (SDMA) transfers"),
     ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),
     ("moe.hot_expert_replication", lambda p: p.moe.hot_expert_replication,
      "hot-expert replication"),

@@ -22,6 +22,7 @@ from mxgraph.driver import compile_step
 from mxgraph.errors import PlanError
 from mxgraph.plan import Plan
 from mxgraph.runtime.data_parallel import DataParallel, bucket_layout
+from mxgraph.runtime.copy_engine import TransferLane
 from mxgraph.runtime.dp_overlap import BucketOverlap
 from mxgraph.runtime.grad_norm import clip_grad_norm_
 from mxgraph.runtime.mesh import Mesh
@@ -259,6 +260,8 @@ class Step:
                                 "step before step.parameters()")
             self.data_parallel = DataParallel.build(
                 self.model_parameters(), self.layouts, self.plan, self.mesh)
+            if self.plan.overlap is not None and self.plan.overlap.copy_engine:
+                self.data_parallel.lane = TransferLane(self.mesh.device)
         return self.data_parallel
 
 

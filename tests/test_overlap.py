@@ -48,7 +48,9 @@ loss and gradients within 1e-5 relative, parameters after two AdamW steps within
 def _cases(rank, world, cases):
     for name, plan, model_kwargs, dp in cases:
         compare(rank, name, plan, True, model_kwargs=model_kwargs, dp=dp)
-    if world == 2:
+    if world == 2:  # copy-engine mode: the buckets' and gathers' transfers on a thread
+        compare(rank, "llama-tiny", dict(dp=2, zero1=True, bucket_mb=0.05),
+                {"copy_engine": True}, dp=2)
         for name, chunks in CHUNKED:
             compare(rank, name, dict(tp=2, sequence_parallel=True), {"tp_chunks": chunks},
                     tol=1e-5)

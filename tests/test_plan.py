@@ -66,7 +66,6 @@ def test_unbuilt_capabilities_are_refused_by_name(name):
         "ep": Plan(ep=2), "cp": Plan(cp=2), "dp": Plan(dp=2), "zero1": Plan(zero1=True),
         "micro_batches": Plan(micro_batches=2), "layout": Plan(layout="E t | t L"),
         "empty_layers": Plan(empty_layers=True),
-        "overlap.copy_engine": Plan(overlap={"copy_engine": True}),
         "moe.capacity_factor": Plan(moe={"capacity_factor": 1.0}),
         "moe.hot_expert_replication": Plan(moe={"hot_expert_replication": True}),
         "moe.batched_gemm": Plan(moe={"batched_gemm": True}),

@@ -150,6 +150,15 @@ class DataParallel:
         for bucket in self.buckets:
             self.complete(bucket, self.start(bucket))
 
+    lane = None
+    """A `copy_engine.TransferLane` (`Plan.overlap.copy_engine`): the collectives run there
+    instead of being issued from the compute thread. None: issued here, asynchronously."""
+
+    def _issue(self, collective, *args, group):
+        if self.lane is not None:
+            return self.lane.submit(lambda: collective(*args, group=group))
+        return collective(*args, group=group, async_op=True)
+
     def start(self, bucket: Bucket) -> "Reduction":
         """Start `bucket`'s collective on its current gradients (asynchronously)."""
         flat = _flat_grads(bucket)
@@ -158,9 +167,9 @@ class DataParallel:
         if self.zero1:
             out = flat.clone() if group is None else flat.new_empty(bucket.shard_numel)
             if group is not None:
-                work = dist.reduce_scatter_single(out, flat, group=group, async_op=True)
+                work = self._issue(dist.reduce_scatter_single, out, flat, group=group)
         elif group is not None:
-            work = dist.all_reduce(flat, group=group, async_op=True)
+            work = self._issue(dist.all_reduce, flat, group=group)
         return Reduction(out, work)
 
     def complete(self, bucket: Bucket, reduction: "Reduction") -> None:
@@ -199,7 +208,7 @@ class DataParallel:
         if group is None:
             return shard, None
         flat = shard.new_empty(bucket.padded_numel)
-        return flat, dist.all_gather_single(flat, shard, group=group, async_op=True)
+        return flat, self._issue(dist.all_gather_single, flat, shard, group=group)
 
     def gather_complete(self, bucket: Bucket, flat: torch.Tensor, work) -> None:
         """Wait for a `gather_start` and copy the values into the bucket's parameters."""

@@ -146,3 +146,9 @@ def check_copy_engine(plan: Plan, info: DeviceInfo) -> None:
         raise PlanError(f"overlap.copy_engine=True: this device ({info.name}) has no copy "
                         f"engines; set overlap.fallback=True to run the transfers as "
                         f"collectives, or turn copy_engine off")
+    if info.kind != "cpu":
+        raise PlanError(f"overlap.copy_engine=True on {info.name}: copy-engine transfer "
+                        f"kernels (device-to-device copies, symmetric-memory puts) are not "
+                        f"built yet; set overlap.fallback=True to run the transfers through "
+                        f"{info.collective_library} from a dedicated stream, or turn "
+                        f"copy_engine off")
