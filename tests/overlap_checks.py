@@ -43,6 +43,8 @@ def _check_overlapped(step, plan: mx.Plan) -> None:
         assert "mxgraph.tp_all_reduce" not in sources and "sp_all_gather" not in sources
     if plan.overlap.tp_chunks > 1:  # the chunks' outputs are stacked back in rank order
         assert "torch.ops.aten.stack" in sources, "no TP GEMM was chunked"
+    if plan.schedule == "dualpipev" and plan.tp > 1:  # F&B pairs hand over at TP waits
+        assert sum(executor.handovers for executor in step.executors()) > 0
     if plan.overlap.copy_engine:
         assert step.data_parallel.lane.submitted > 0, "no transfer ran on the copy-engine lane"
     if step.mesh.sizes["dp_cp"] > 1 and plan.overlap.dp_buckets:

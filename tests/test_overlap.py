@@ -35,7 +35,8 @@ TWO_RANKS = [
     (hf("mixtral"), dict(cp=2), {}, 1),
 ]
 FOUR_RANKS = [
-    ("llama-tiny", dict(tp=2, pp=2, micro_batches=2, sequence_parallel=True), {}, 1),
+    ("llama-tiny", dict(tp=2, pp=2, micro_batches=4, sequence_parallel=True,
+                        schedule="dualpipev"), {}, 1),
     (hf("qwen2_moe"), dict(tp=2, dp=2, zero1=True, bucket_mb=0.05), {}, 2),
 ]
 

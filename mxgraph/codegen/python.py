@@ -30,6 +30,28 @@ def generate_program(program: Program, title: str) -> None:
     exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated code
     program.fn = namespace["forward"].__get__(program.gm)
     program.source = source
+    program.steps_fn = _pausing(code.src, dict(code.globals), program)
+
+
+_WAIT = "torch.ops._c10d_functional.wait_tensor.default("
+
+
+def _pausing(src: str, globals_: dict, program: Program):
+    """The program as a generator function that yields right before each collective wait
+    (for `Program.steps`), or None when it waits for none. fx writes one statement per
+    line in the function's body, so a `yield` line goes right above each wait."""
+    if _WAIT not in src:
+        return None
+    lines = []
+    for line in src.replace("def forward(", "def forward_steps(", 1).splitlines():
+        if _WAIT in line:
+            lines.append(line[:len(line) - len(line.lstrip())] + "yield")
+        lines.append(line)
+    filename = f"<mxgraph-step-{next(_module_ids)}-steps>"
+    text = "\n".join(lines) + "\n"
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    exec(compile(text, filename, "exec"), globals_)  # noqa: S102 - our own generated code
+    return globals_["forward_steps"].__get__(program.gm)
 
 
 def _announce_calls(program: Program) -> None:

@@ -20,8 +20,9 @@ before a program first reads the parameter) waits for that bucket's and copies i
 the parameters; `gather_finish` completes the rest.
 
 The collectives reduce the same buffers as `DataParallel.reduce`: bitwise the same
-gradients; the gathers copy the same values as `DataParallel.gather_parameters`. Every data-parallel rank runs the same programs in the same order, so each
-issues the buckets' collectives in the same order.
+gradients; the gathers copy the same values as `DataParallel.gather_parameters`. Every
+data-parallel rank runs the same programs in the same order, so each issues the buckets'
+collectives in the same order.
 """
 from __future__ import annotations
 

@@ -4,7 +4,11 @@ Per rank, the schedule (`mxgraph.schedules`) lists actions. The executor keeps, 
 (stage, micro-batch), a dict of joint-graph node -> tensor (`env`): F fills it, B and W
 read it, W drops it. Activations and their gradients move with asynchronous
 `isend`/`irecv` (the schedules assume sends do not block); a stage whose neighbour
-lives on the same rank (DualPipeV's turn) hands tensors over in memory.
+lives on the same rank (DualPipeV's turn) hands tensors over in memory. With
+`Plan.overlap.p2p`, receives are posted ahead and sends batched (`runtime/p2p.py`). Each
+compute action runs as a generator that pauses where a program waits for a collective
+(`Program.steps`): an overlapped F&B pair (DualPipeV) runs its two parts in turn between
+those pauses (`interleave`), so one computes while the other's transfer is on the wire.
 
 After the last action: the loss (mean over micro-batches) is broadcast from the rank
 that computed it over the pipeline group; gradients of parameters held by several
@@ -27,6 +31,23 @@ from mxgraph.schedules import (B, BW, F, OVERLAP_F_B, RECV_F, SEND_B, SEND_F, W,
                                Action, Schedule)
 
 _KIND_CODES = {SEND_F: 0, SEND_B: 1}
+
+
+def interleave(works: list) -> int:
+    """Run generators in turn, each up to its next pause (a collective in flight), until
+    all are done: DualPipeV's overlapped F&B pair, where one part computes while the
+    other's collective is on the wire. The order is fixed, so every rank of a group issues
+    its collectives in the same order; values are those of running the parts in turn.
+    Returns how often a part paused while another still had work (the hand-overs)."""
+    works, handovers = list(works), 0
+    while works:
+        for work in list(works):
+            try:
+                next(work)
+                handovers += len(works) > 1
+            except StopIteration:
+                works.remove(work)
+    return handovers
 
 
 def split_microbatches(inputs: list, num_microbatches: int) -> list[list]:
@@ -134,7 +155,9 @@ class PipelineExecutor:
             self.schedule.num_microbatches + mb
 
     # ---- actions ----------------------------------------------------------------------
-    def forward(self, run: PipelineRun, stage: int, mb: int) -> None:
+    def forward(self, run: PipelineRun, stage: int, mb: int):
+        """F of (stage, mb); a generator that pauses where the program waits for a
+        collective (`Program.steps`): `do` drains it, an overlapped pair interleaves two."""
         rt = self.stages[stage]
         env = run.env[(stage, mb)] = {}
         tensors = model_tensors(self.model)
@@ -146,8 +169,7 @@ class PipelineExecutor:
             elif slot.kind == "input":
                 env[node] = activations[slot.key] if slot.key < rt.num_activations else \
                     inputs[rt.user_inputs[slot.key - rt.num_activations]]
-        with torch.no_grad():
-            rt.programs.forward.run(env)
+        yield from rt.programs.forward.steps(env)
         outputs = [env[n] for n in rt.programs.forward_outputs]
         if stage == self.schedule.num_stages - 1:
             run.losses[mb] = outputs[0]
@@ -156,7 +178,8 @@ class PipelineExecutor:
         else:
             run.acts_out[(stage, mb)] = outputs
 
-    def backward_input(self, run: PipelineRun, stage: int, mb: int) -> None:
+    def backward_input(self, run: PipelineRun, stage: int, mb: int):
+        """B of (stage, mb); a generator, as `forward`."""
         rt = self.stages[stage]
         env = run.env[(stage, mb)]
         if stage == self.schedule.num_stages - 1:
@@ -167,7 +190,7 @@ class PipelineExecutor:
         for node, slot in zip(rt.programs.placeholders, rt.slots):
             if slot.kind == "tangent":
                 env[node] = grads[slot.key]
-        self._run_backward(run, stage, mb, rt.programs.backward_input)
+        yield from self._run_backward(run, stage, mb, rt.programs.backward_input)
         if stage == 0:
             return
         input_grads = [env[rt.programs.input_grads[i]] if i in rt.programs.input_grads
@@ -180,10 +203,11 @@ class PipelineExecutor:
         else:
             run.grads_out[(stage, mb)] = input_grads
 
-    def backward_weight(self, run: PipelineRun, stage: int, mb: int) -> None:
+    def backward_weight(self, run: PipelineRun, stage: int, mb: int):
+        """W of (stage, mb); a generator, as `forward`."""
         rt = self.stages[stage]
         env = run.env[(stage, mb)]
-        self._run_backward(run, stage, mb, rt.programs.backward_weight)
+        yield from self._run_backward(run, stage, mb, rt.programs.backward_weight)
         run.env.pop((stage, mb))
         announced = run.announced.pop((stage, mb), ())
         for name, node in rt.programs.param_grads:
@@ -196,6 +220,10 @@ class PipelineExecutor:
     gradient of the parameter is final (the last micro-batch of every stage of this rank
     that reads it, under any of its names, accumulated it), while the backward still runs
     (`runtime/dp_overlap.py`). None: not called."""
+
+    handovers = 0
+    """How often an overlapped F&B pair switched from one part to the other at a collective
+    wait (`interleave`), over the executor's steps so far."""
 
     param_needed = None
     """`param_needed(parameter)`, set by the step for one run: called right before a
@@ -212,13 +240,12 @@ class PipelineExecutor:
                 program.on_need = None if callback is None or not program.needs else \
                     (lambda node, held=held: callback(held[node]))
 
-    def _run_backward(self, run: PipelineRun, stage: int, mb: int, program) -> None:
-        """Run a B or W program; with `grad_ready`, each parameter gradient it computes
-        is accumulated the moment it exists (`Program.announce`), not after the program."""
+    def _run_backward(self, run: PipelineRun, stage: int, mb: int, program):
+        """Run a B or W program (a generator); with `grad_ready`, each parameter gradient
+        it computes is accumulated the moment it exists (`Program.announce`)."""
         env = run.env[(stage, mb)]
         if self.grad_ready is None or not program.announce:
-            with torch.no_grad():
-                program.run(env)
+            yield from program.steps(env)
             return
         names = self.stages[stage].grad_names
         announced = run.announced.setdefault((stage, mb), set())
@@ -229,8 +256,7 @@ class PipelineExecutor:
                 self._accumulate(run, stage, mb, name, value)
         program.on_ready = on_ready
         try:
-            with torch.no_grad():
-                program.run(env)
+            yield from program.steps(env)
         finally:
             program.on_ready = None
 
@@ -284,20 +310,25 @@ class PipelineExecutor:
             metas, sender, sent_kind = self.stages[stage].output_meta, stage + 1, SEND_B
         return RecvSpec(self._peer(sender), self._tag(sent_kind, sender, mb), metas)
 
+    def compute(self, run: PipelineRun, action: Action):
+        """The programs of a compute action, as one generator (pausing at collective waits)."""
+        kind, stage, mb = action.kind, action.stage, action.microbatch
+        if kind in (F, B, W):
+            work = {F: self.forward, B: self.backward_input, W: self.backward_weight}[kind]
+            yield from work(run, stage, mb)
+        else:  # BW
+            yield from self.backward_input(run, stage, mb)
+            yield from self.backward_weight(run, stage, mb)
+
     def do(self, run: PipelineRun, action: Action) -> None:
         kind, stage, mb = action.kind, action.stage, action.microbatch
-        if kind == F:
-            self.forward(run, stage, mb)
-        elif kind == B:
-            self.backward_input(run, stage, mb)
-        elif kind == W:
-            self.backward_weight(run, stage, mb)
-        elif kind == BW:
-            self.backward_input(run, stage, mb)
-            self.backward_weight(run, stage, mb)
+        if kind in (F, B, W, BW):
+            with torch.no_grad():
+                for _ in self.compute(run, action):
+                    pass
         elif kind == OVERLAP_F_B:
-            for part in action.parts:
-                self.do(run, part)
+            with torch.no_grad():
+                self.handovers += interleave([self.compute(run, part) for part in action.parts])
         elif kind in (SEND_F, SEND_B):
             self.send(run, kind, stage, mb)
         else:

@@ -52,8 +52,21 @@ class Program:
         if self.on_ready is not None:
             self.on_ready(self.announce[index], value)
 
+    steps_fn: object = None
+    """The generated function as a generator that pauses right before each wait for a
+    collective (codegen); None: `steps` runs the program whole."""
+
     def run(self, env: dict[Node, torch.Tensor]) -> None:
         values = (self.fn or self.gm)(*[env[n] for n in self.inputs])
+        env.update(zip(self.outputs, values))
+
+    def steps(self, env: dict[Node, torch.Tensor]):
+        """Run the program as a generator that yields where it is about to wait for a
+        collective it started (so another program can run meanwhile)."""
+        if self.steps_fn is None:
+            self.run(env)
+            return
+        values = yield from self.steps_fn(*[env[n] for n in self.inputs])
         env.update(zip(self.outputs, values))
 
 
