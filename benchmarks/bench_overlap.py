@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +33,10 @@ LAYOUTS = {  # name -> Plan fields
 }
 
 
-def _median_step(fn, steps: int) -> float:
-    fn()  # warm-up: compiles
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _time(fn, steps: int) -> float:
+    """The median seconds of `steps` calls after a warm-up (bench_pipeline_real's)."""
+    from bench_pipeline_real import _time as median_time
+    return median_time(fn, steps)
 
 
 def _profiled(fn, path: Path) -> dict:
@@ -64,6 +58,7 @@ def worker(args) -> None:
     import models
     import mxgraph as mx
     dist.init_process_group("gloo")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     rank = dist.get_rank()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(rank)
@@ -85,7 +80,7 @@ def worker(args) -> None:
                 step(tokens, targets)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            seconds = _median_step(train_step, args.steps)
+            seconds = _time(train_step, args.steps)
             label = _label(overlap)
             name = f"{layout.replace(' ', '_').replace('+', '')}_{label.replace(' ', '')}"
             summary = _profiled(train_step, traces / f"{name}.rank{rank}.json")
@@ -117,7 +112,6 @@ def _peer_row(args, rank, tokens, targets, traces) -> dict:
     import torch.distributed.pipelining as pipelining
 
     import models
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_pipeline_real import StageModule, _loss
     torch.manual_seed(0)
     model = models.build_model(args.model)
@@ -136,7 +130,7 @@ def _peer_row(args, rank, tokens, targets, traces) -> dict:
             schedule.step(target=targets)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    seconds = _median_step(train_step, args.steps)
+    seconds = _time(train_step, args.steps)
     summary = _profiled(train_step, traces / f"torch_1f1b.rank{rank}.json")
     return _row(args.rate, "pp2 1f1b", "torch Schedule1F1B", seconds, summary)
 

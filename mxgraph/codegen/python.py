@@ -20,8 +20,10 @@ _PIECES = {"F": "forward", "B": "input gradients", "W": "weight gradients"}
 def generate_program(program: Program, title: str) -> None:
     """Generate `program`'s function and source (sets `program.fn` and `program.source`);
     each output in `program.announce` is passed to `program.ready` right after its line."""
-    _announce_calls(program)
-    _need_calls(program)
+    if program.announce or program.needs:  # hook calls in the graph: gm runs them too
+        _announce_calls(program)
+        _need_calls(program)
+        program.gm.recompile()
     code = program.gm.graph.python_code(root_module="self")
     source = f"# {title}\n" + code.src
     filename = f"<mxgraph-step-{next(_module_ids)}>"
@@ -68,7 +70,6 @@ def _announce_calls(program: Program) -> None:
             continue
         with graph.inserting_after(node):
             graph.call_function(announce, (index, node))
-    program.gm.recompile()
 
 
 def _need_calls(program: Program) -> None:
@@ -86,7 +87,6 @@ def _need_calls(program: Program) -> None:
             continue
         with graph.inserting_before(min(users, key=order.get)):
             graph.call_function(need, (index,))
-    program.gm.recompile()
 
 
 def generate(stages: dict[int, StagePrograms], plan, dump_dir=None) -> str:

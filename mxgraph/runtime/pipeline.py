@@ -352,7 +352,9 @@ class PipelineExecutor:
                        if part.kind in (F, SEND_F, RECV_F)]
         self._p2p = P2PQueue(actions, self._recv_spec, device=self.mesh.device,
                              in_issue_order=self.p2p_in_issue_order) if self.p2p_ahead else None
-        self._listen_for_parameters(self.param_needed)
+        listening = self.param_needed is not None
+        if listening:
+            self._listen_for_parameters(self.param_needed)
         try:
             for action in actions:
                 if self._p2p is not None:
@@ -362,7 +364,8 @@ class PipelineExecutor:
                     run.env.pop((action.stage, action.microbatch), None)
         finally:
             self._p2p = None
-            self._listen_for_parameters(None)
+            if listening:
+                self._listen_for_parameters(None)
         for work in run.sends:
             work.wait()
         loss = torch.stack([run.losses[m] for m in sorted(run.losses)]).mean() \
