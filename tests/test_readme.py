@@ -56,7 +56,8 @@ def test_readme_example_on_one_process():
 
 
 @pytest.mark.parametrize("plans", [
-    ["Plan(tp=2)", "Plan(tp=2, sequence_parallel=True)", "Plan(zero1=True, bucket_mb=0.5)",
+    ["Plan(tp=2)", "Plan(tp=2, sequence_parallel=True, overlap=True)",
+     "Plan(zero1=True, bucket_mb=0.5, overlap=True)",
      "Plan(cp=2)", "Plan(pp=2, micro_batches=2)"],
 ])
 def test_readme_example_on_two_ranks(plans):
