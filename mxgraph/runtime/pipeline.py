@@ -17,6 +17,7 @@ gradients are averaged over the data-parallel group.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -80,7 +81,7 @@ class StageRuntime:
     """The stage's joint graph (`joint.JointGraph`) the programs were cut from, after the
     joint passes: for analyses (saved activations, communication)."""
 
-    @property
+    @functools.cached_property
     def grad_names(self) -> dict:
         """Gradient node -> the parameter names it is the gradient of."""
         names: dict = {}
@@ -269,7 +270,7 @@ class PipelineExecutor:
         if not run.grads_left[id(param)]:
             self.grad_ready(param)
 
-    @property
+    @functools.cached_property
     def last_weight_mb(self) -> dict[int, int]:
         """stage -> the micro-batch of this rank's last W (or BW) action of that stage."""
         last = {}
@@ -341,11 +342,12 @@ class PipelineExecutor:
         without gradients (`evaluate`)."""
         run = PipelineRun(microbatches)
         run.params = dict(self.model.named_parameters(remove_duplicate=False))
-        run.last_weight_mb = self.last_weight_mb
-        for rt in self.stages.values():
-            for name, _ in rt.programs.param_grads:
-                key = id(run.params[name])
-                run.grads_left[key] = run.grads_left.get(key, 0) + 1
+        if self.grad_ready is not None:  # the bookkeeping of gradients as they land
+            run.last_weight_mb = self.last_weight_mb
+            for rt in self.stages.values():
+                for name, _ in rt.programs.param_grads:
+                    key = id(run.params[name])
+                    run.grads_left[key] = run.grads_left.get(key, 0) + 1
         actions = self.schedule.actions[self.mesh.coords["pp"]]
         if not training:
             actions = [part for action in actions for part in action.compute_parts() or (action,)
