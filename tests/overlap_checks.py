@@ -16,9 +16,8 @@ from tests.helpers import batch, rel_err
 def run_plan(model, plan: mx.Plan, tokens, targets, steps: int = 2):
     """(losses, gradients after step 1 by name, parameters after `steps` AdamW steps);
     asserts that what the plan overlaps did run asynchronously."""
-    step = mx.compile(model, plan)
-    step.prepare(tokens, targets)
-    opt = torch.optim.AdamW(step.parameters(), lr=1e-2)
+    step = mx.compile(model, plan, example=(tokens, targets))  # README order: the optimizer
+    opt = torch.optim.AdamW(step.parameters(), lr=1e-2)       # right after mx.compile
     losses, grads = [], {}
     for i in range(steps):
         losses.append(step(tokens, targets))
