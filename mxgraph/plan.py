@@ -28,15 +28,39 @@ class MoEOptions:
     """Mixture-of-Experts options."""
 
     capacity_factor: float | None = None
-    """Expert capacity as a multiple of the even share of tokens; None = dropless."""
-    hot_expert_replication: bool = False
-    """Replicate the most-loaded experts on extra EP ranks."""
+    """None = dropless. Else each routed expert takes at most C = ceil(N / E * c) of the
+    N (token, choice) rows of this rank's micro-batch (Megatron-Core's capacity, applied
+    before the all-to-all); the rest are dropped (their expert output is 0) and every
+    expert is padded to exactly C rows, so shapes are static: the all-to-all moves equal
+    blocks and needs no row counts on the host. Must be > 0."""
+    drop_policy: str = "probs"
+    """Which rows an over-full expert keeps: "probs" the highest routing weights (the value
+    that multiplies the expert's output in the combine), "position" the earliest rows
+    (token order). Used with capacity_factor."""
+    batched_gemm: bool = False
+    """Run the capacity-padded experts as batched GEMMs over [experts, C, ...] (one `bmm`
+    per projection) instead of a grouped GEMM or a loop over experts. Needs
+    capacity_factor."""
+    hot_experts: int = 0
+    """k > 0: each step the k most-loaded routed experts (by this micro-batch's token
+    counts over the EP group) are replicated on every EP rank of the group: their owners
+    broadcast the weights, rows routed to them are computed where they are (they skip the
+    all-to-all), and the replicas' weight gradients are summed back to the owner. Needs
+    ep > 1 and k < experts per EP rank."""
+    hot_threshold: float = 1.5
+    """Replication runs while max/mean of the per-expert counts is at least this; once on,
+    it stays on until the ratio falls below 0.9 x this (hysteresis, so it does not flap).
+    1.0 = always on. Must be >= 1."""
     adaptive_recompute_threshold: int | None = None
     """Tokens routed to one EP rank above which MoE layers run their recompute variant."""
-    batched_gemm: bool = False
-    """Run experts as one capacity-padded batched GEMM instead of a loop."""
     a2a_overlap: bool = False
-    """Overlap the all-to-all dispatch/combine with expert or shared-expert compute."""
+    """Overlap the expert all-to-alls with compute: each MoE block runs as two chunks so one
+    chunk's dispatch/combine flies during the other's experts, the shared expert and the
+    experts' weight gradients run inside the all-to-alls' windows. Needs ep > 1 and
+    overlap (its asynchronous collectives)."""
+
+
+DROP_POLICIES = ("probs", "position")
 
 
 @dataclass(kw_only=True)
@@ -184,6 +208,7 @@ class Plan:
         if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:
             raise PlanError(f"bucket_mb={self.bucket_mb!r} must be a positive number of MiB "
                             f"(e.g. 25.0)")
+        _check_moe(self)
         if self.ep > 1 and self.moe.adaptive_recompute_threshold is not None:
             raise PlanError(f"moe.adaptive_recompute_threshold with ep={self.ep} is not built: the "
                             "step counts each EP rank's tokens by routing with the eager model, "
@@ -401,6 +426,39 @@ def _check_choice(field_name: str, value: str, choices: tuple[str, ...]) -> None
         raise PlanError(f"{field_name}: {value!r} is unknown; choose from {', '.join(choices)}")
 
 
+def _check_moe(plan: Plan) -> None:
+    """PlanError for MoE options that cannot work (the part that needs the model's expert
+    count, hot_experts < experts per rank, is checked when the blocks are found)."""
+    moe = plan.moe
+    factor = moe.capacity_factor
+    if factor is not None and (not isinstance(factor, (int, float)) or not factor > 0):
+        raise PlanError(f"moe.capacity_factor={factor!r} must be a number > 0 (e.g. 1.0 or "
+                        f"1.25), or None for dropless experts")
+    _check_choice("moe.drop_policy", moe.drop_policy, DROP_POLICIES)
+    if moe.batched_gemm and factor is None:
+        raise PlanError("moe.batched_gemm=True needs moe.capacity_factor (a batched GEMM needs "
+                        "every expert padded to the same row count); set capacity_factor, "
+                        "e.g. 1.25, or turn batched_gemm off")
+    if not isinstance(moe.hot_experts, int) or moe.hot_experts < 0:
+        raise PlanError(f"moe.hot_experts={moe.hot_experts!r} must be an integer >= 0 "
+                        f"(0 = no replication)")
+    if moe.hot_experts and plan.ep == 1:
+        raise PlanError(f"moe.hot_experts={moe.hot_experts} replicates experts across expert-"
+                        f"parallel ranks, and ep=1 has none; set ep > 1 or hot_experts=0")
+    if moe.hot_experts and factor is not None:
+        raise PlanError("moe.hot_experts with moe.capacity_factor is not built (capacity-"
+                        "padded experts already move equal blocks); use one of them")
+    if not isinstance(moe.hot_threshold, (int, float)) or moe.hot_threshold < 1:
+        raise PlanError(f"moe.hot_threshold={moe.hot_threshold!r} must be >= 1 (max/mean of "
+                        f"the per-expert token counts; 1.0 = always replicate)")
+    if moe.a2a_overlap and plan.ep == 1:
+        raise PlanError("moe.a2a_overlap=True overlaps expert-parallel all-to-alls, and ep=1 "
+                        "has none; set ep > 1 or turn a2a_overlap off")
+    if moe.a2a_overlap and (plan.overlap is None or not plan.overlap.reorder):
+        raise PlanError("moe.a2a_overlap=True needs overlap=True (its asynchronous "
+                        "collectives and reorder pass); set overlap=True or turn a2a_overlap off")
+
+
 def check_divides(axis: str, degree: int, what: str, total: int) -> None:
     """PlanError unless `degree` divides `total`, listing the degrees that would."""
     if total % degree:
@@ -410,13 +468,7 @@ def check_divides(axis: str, degree: int, what: str, total: int) -> None:
 
 # Capabilities not built yet: (field, test on the plan, what is missing). A plan that asks
 # for one raises PlanError at compile time; the entry goes when the capability lands.
-NOT_BUILT = [
-    ("moe.capacity_factor", lambda p: p.moe.capacity_factor is not None, "capacity-padded MoE"),
-    ("moe.hot_expert_replication", lambda p: p.moe.hot_expert_replication,
-     "hot-expert replication"),
-    ("moe.batched_gemm", lambda p: p.moe.batched_gemm, "batched expert GEMM"),
-    ("moe.a2a_overlap", lambda p: p.moe.a2a_overlap, "all-to-all overlap"),
-]
+NOT_BUILT: list = []
 
 
 def require_built(plan: Plan) -> None:

@@ -21,6 +21,7 @@ from mxgraph.context import CompileContext
 from mxgraph.driver import compile_step
 from mxgraph.errors import PlanError
 from mxgraph.plan import Plan
+from mxgraph.runtime import moe_stats
 from mxgraph.runtime.data_parallel import DataParallel, bucket_layout
 from mxgraph.runtime.copy_engine import TransferLane
 from mxgraph.runtime.dp_overlap import BucketOverlap
@@ -72,6 +73,12 @@ class TrainingStep(Protocol):
     def executors(self) -> list[PipelineExecutor]:
         """One executor per compiled input signature (its stages' programs and joint
         graphs: what the analyses read)."""
+
+    def moe_stats(self) -> dict[str, dict]:
+        """What this rank's MoE blocks decided in the last step, by block (the module path
+        of its experts): {"dropped": {block: fraction of its (token, choice) rows dropped
+        by moe.capacity_factor}, "hot": {block: experts replicated by moe.hot_experts}};
+        empty dicts without those options. The last micro-batch's values."""
 
 
 class Step:
@@ -157,8 +164,12 @@ class Step:
         must call it (runtime/grad_norm.py)."""
         return clip_grad_norm_(self, max_norm)
 
+    def moe_stats(self) -> dict[str, dict]:
+        return moe_stats.last()
+
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         executor = self.compiled(*args, **kwargs)
+        moe_stats.clear()
         overlap = self._bucket_overlap(executor)
         if overlap is not None:
             overlap.begin()

@@ -175,7 +175,12 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         loss_value = loss.item()
         elapsed = time.perf_counter() - start
         tokens_per_s = (step + 1 - start_step) * cfg.batch_size * cfg.seq_len / elapsed
-        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        postfix = dict(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        if not cfg.eager and plan.moe.capacity_factor is not None:
+            dropped = step_fn.moe_stats()["dropped"]  # per MoE layer; the bar shows the mean
+            postfix["dropped"] = f"{sum(dropped.values()) / max(1, len(dropped)):.1%}"
+            log.debug("step %d: dropped by capacity %s", step + 1, dropped)
+        bar.set_postfix(postfix)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
             result = checkpointer.save(step + 1, _capture(
                 plan, named, optimizer, batches.state_dict(), plan.to_dict()))

@@ -97,9 +97,10 @@ USER_ERRORS = {
     "data file not 1-D ids": (["train", "--data", "matrix.npy"],
                               "mxgraph: error: matrix.npy: expected a 1-D integer array of "
                               "token ids, got shape (2, 2) dtype float64"),
-    "plan not built": (["train", "--plan", "batched.toml"],
-                       "mxgraph: error: moe.batched_gemm: batched expert GEMM is not built yet "
-                       "in this version of mxgraph; leave moe.batched_gemm at its default"),
+    "impossible plan": (["train", "--plan", "batched.toml"],
+                        "mxgraph: error: batched.toml: moe.batched_gemm=True needs moe.capacity_factor (a "
+                        "batched GEMM needs every expert padded to the same row count); set "
+                        "capacity_factor, e.g. 1.25, or turn batched_gemm off"),
     "unknown flag": (["train", "--num-steps", "2"],
                      "mxgraph train: error: unrecognized arguments: --num-steps 2 "
                      "(see 'mxgraph train --help')"),

@@ -58,8 +58,10 @@ def assert_like_reference(rows, step, scale: float, tol: float, what: str) -> No
 
 
 def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_len=16,
-               model_kwargs=None, lr=1e-2):
-    """`model_name`: a preset name, or a callable(**model_kwargs) building the model."""
+               model_kwargs=None, lr=1e-2, adjust_reference=None):
+    """`model_name`: a preset name, or a callable(**model_kwargs) building the model;
+    `adjust_reference(model)`: changes the eager reference (e.g. the drops a plan's
+    capacity makes, written as the model's own capacity)."""
     torch.manual_seed(0)
     build = model_name if callable(model_name) else functools.partial(models.build_model,
                                                                       model_name)
@@ -68,6 +70,8 @@ def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_
         if name.endswith("attn.wk.bias"):  # softmax ignores it: its gradient is exactly 0
             param.requires_grad_(False)    # in exact arithmetic, rounding noise in fp32
     reference = copy.deepcopy(model)
+    if adjust_reference is not None:
+        adjust_reference(reference)
     plan = mx.Plan(**plan_kwargs)
     dp = plan.resolve_dp(world)
     dp_rank = (rank // (plan.tp * plan.cp)) % dp  # the mesh's order: pp, dp, cp, tp

@@ -20,6 +20,7 @@ from mxgraph.passes.remat import remat_pass
 from mxgraph.passes.fuse import fuse_pass
 from mxgraph.passes.fuse_grad import fuse_residual_grad_pass
 from mxgraph.passes.runner import PassSpec
+from mxgraph.passes.moe_capacity import moe_capacity_pass
 from mxgraph.passes.shard_ep import shard_ep_pass
 from mxgraph.passes.shard_cp import shard_cp_pass
 from mxgraph.passes.shard_tp import shard_tp_pass
@@ -29,6 +30,9 @@ from mxgraph.passes.steps import (capture_step, codegen_step, forward_programs_s
 FORWARD_PASSES = [
     PassSpec("remove_noop", remove_noop_pass, "forward",
              "first: later matchers then see no alias/detach/identity dropout between ops"),
+    PassSpec("moe_capacity", moe_capacity_pass, "forward",
+             "before shard_ep, instead of it when moe.capacity_factor is set: it pads the MoE "
+             "blocks as traced and shards them over ep with equal-block all-to-alls"),
     PassSpec("shard_ep", shard_ep_pass, "forward",
              "before shard_tp: it matches the MoE blocks as traced; TP then sees local experts"),
     PassSpec("shard_cp", shard_cp_pass, "forward",

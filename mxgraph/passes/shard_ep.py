@@ -318,8 +318,8 @@ def stable_toposort(graph: Graph) -> None:
 
 def shard_ep_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """Shard routed experts over the "ep" group (see module docstring)."""
-    if ctx.mesh is None or ctx.mesh.sizes["ep"] == 1:
-        return gm
+    if ctx.mesh is None or ctx.mesh.sizes["ep"] == 1 or ctx.plan.moe.capacity_factor is not None:
+        return gm  # capacity-padded blocks: moe_capacity.py shards them
     sharder = _ExpertSharder(gm, ctx)
     sharder.run()
     for node in sharder.params:

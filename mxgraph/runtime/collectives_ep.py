@@ -10,6 +10,7 @@ and the rows move with `all_to_all_single` with variable splits.
 | `ep_counts`   | all-to-all of the per-expert counts [E] -> [ep, E/ep] (row s: rank s's) | none (integers) |
 | `ep_dispatch` | rows sorted by global expert -> rows sorted by local expert (then source rank) | `ep_combine` |
 | `ep_combine`  | the inverse: local-expert order -> back to the sender, in its original order | `ep_dispatch` |
+| `ep_all_to_all` | equal splits: block s of the input [ep * m, ...] goes to rank s; block s of the output came from rank s (capacity-padded experts: static shapes, no counts) | `ep_all_to_all` |
 
 `ep_dispatch` and `ep_combine` are linear maps and each other's transpose (all-to-all
 plus a permutation of row blocks; rows past the counted ones are zero on output and
@@ -121,5 +122,28 @@ def _backward_dispatch(ctx, grad):
 ep_dispatch.register_autograd(_backward_combine, setup_context=_keep_counts)
 ep_combine.register_autograd(_backward_dispatch, setup_context=_keep_counts)
 
+
+
+@torch.library.custom_op("mxgraph::ep_all_to_all", mutates_args=())
+def ep_all_to_all(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """`x` [ep * m, ...]: block s (rows [s*m, (s+1)*m)) goes to rank s of the group; the
+    output's block s is what rank s sent here. Its own transpose, so its own backward."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=process_group(group_name))
+    return out
+
+
+@ep_all_to_all.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
+
+
+def _keep_group(ctx, inputs, output):
+    ctx.group_name = inputs[1]
+
+
+ep_all_to_all.register_autograd(lambda ctx, grad: (ep_all_to_all(grad, ctx.group_name), None),
+                                setup_context=_keep_group)
+
 KIND.update({"ep_counts": "all_to_all", "ep_dispatch": "all_to_all",
-             "ep_combine": "all_to_all"})
+             "ep_combine": "all_to_all", "ep_all_to_all": "all_to_all"})
