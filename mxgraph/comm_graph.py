@@ -22,7 +22,7 @@ from mxgraph.runtime.collectives import KIND, VOLUME
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-              "reduce_scatter_tensor": "reduce_scatter"}
+              "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
 """torch's functional collectives (the asynchronous form, Plan.overlap) by op name."""
 
 

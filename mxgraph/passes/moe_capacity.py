@@ -51,7 +51,7 @@ from mxgraph.ir import insert_call
 from mxgraph.passes.moe_blocks import ExpertBlock, find_expert_blocks
 from mxgraph.passes.moe_dataflow import grouped_args, module_of, where
 from mxgraph.passes.sharding import repropagate
-from mxgraph.passes.shard_ep import _ExpertSharder, stable_toposort
+from mxgraph.passes.shard_ep import ExpertSharder, stable_toposort
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
@@ -66,7 +66,7 @@ class _Padder:
         self.chunks = 2 if moe.a2a_overlap else 1
         mesh = ctx.mesh
         self.ep = mesh.sizes["ep"] if mesh is not None else 1
-        self.sharder = _ExpertSharder(gm, ctx) if self.ep > 1 else None
+        self.sharder = ExpertSharder(gm, ctx) if self.ep > 1 else None
         self.group = mesh.group_name("ep") if self.ep > 1 else None
         self.rank = mesh.coords["ep"] if self.ep > 1 else 0
         self.params: set[Node] = set()
@@ -293,8 +293,11 @@ class _Padder:
             slot, arange = self.slots(block, rows, cap, x)
             buffer = self.padded(x, slot, arange, rows, num * cap)
         sizes = [cap] if self.chunks == 1 or cap < 2 else [cap - cap // 2, cap // 2]
-        outs, start, first_exit = [], 0, None
-        for index, size in enumerate(sizes):
+        outs: dict[int, Node] = {}
+        first_exit = None
+        # the later chunks first: they copy the chain while its nodes are still unchanged
+        for index in reversed(range(len(sizes))):
+            size, start = sizes[index], sum(sizes[:index])
             with self.graph.inserting_before(x.next):
                 piece = buffer
                 if len(sizes) > 1:
@@ -304,11 +307,12 @@ class _Padder:
                 if self.ep > 1:
                     piece = self.send(piece, local, size, trail)
             exit_ = self.run_chain(block, nodes, piece, local, size * self.ep, index > 0, x)
-            first_exit = first_exit or exit_
+            first_exit = exit_
             with self.graph.inserting_before(exit_.next):
                 y = self.receive(exit_, local, size, out_trail) if self.ep > 1 else exit_
-                outs.append(self.call(aten.view.default, y, [num, size, *out_trail], like=exit_))
-            start += size
+                outs[index] = self.call(aten.view.default, y, [num, size, *out_trail],
+                                        like=exit_)
+        outs = [outs[i] for i in range(len(sizes))]
         last = outs[-1]
         with self.graph.inserting_before(last.next):
             y = outs[0] if len(outs) == 1 else self.call(aten.cat.default, outs, 1, like=last)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from torch.fx import GraphModule, Node
 
+from mxgraph import comm_graph
 from mxgraph.context import CompileContext
 from mxgraph.ir import is_backward
 from mxgraph.passes.overlap_async import STARTS, WAIT
@@ -34,8 +35,10 @@ MiB = 2 ** 20
 
 
 def tensor_bytes(node: Node) -> int:
+    """Bytes of a node's tensor; a data-dependent size (the dropless expert all-to-alls'
+    rows) counts at the upper bound its `torch._check`s give (`comm_graph.tensor_bytes`)."""
     value = node.meta.get("val")
-    return value.numel() * value.element_size() if hasattr(value, "numel") else 0
+    return comm_graph.tensor_bytes(value) if hasattr(value, "numel") else 0
 
 
 def collective_bytes(start: Node) -> int:

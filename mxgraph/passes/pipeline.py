@@ -14,6 +14,7 @@ from mxgraph.errors import PlanError
 from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass
 from mxgraph.passes.offload import offload_pass
 from mxgraph.passes.overlap_async import overlap_async_pass
+from mxgraph.passes.overlap_moe import overlap_moe_pass
 from mxgraph.passes.overlap_reorder import overlap_reorder_pass
 from mxgraph.passes.overlap_tp import overlap_tp_pass
 from mxgraph.passes.remat import remat_pass
@@ -64,6 +65,10 @@ JOINT_PASSES = [
     PassSpec("overlap_reorder", overlap_reorder_pass, "joint",
              "after overlap_async and the memory passes (their saved and recomputed values "
              "are final): starts early, waits late"),
+    PassSpec("overlap_moe", overlap_moe_pass, "joint",
+             "after overlap_reorder placed the expert all-to-alls' starts and waits: moves "
+             "independent compute (shared expert, weight gradients) into their windows "
+             "(Plan.moe.a2a_overlap)"),
     PassSpec("dead_code", dead_code_pass, "joint",
              "last: removes what earlier rewrites left unused (keeps random ops)"),
 ]

@@ -59,7 +59,8 @@ import mxgraph.codegen.kernels  # noqa: F401 - registers mxgraph::grouped_mm
 import mxgraph.runtime.collectives_ep  # noqa: F401 - registers the all-to-all ops
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
-from mxgraph.ir import insert_call
+from mxgraph.ir import ancestors, insert_call
+from mxgraph.passes.ep_hot import HotFrame, check_hot
 from mxgraph.passes.moe_blocks import ExpertBlock, find_expert_blocks
 from mxgraph.passes.moe_dataflow import grouped_args, module_of, where
 from mxgraph.passes.sharding import repropagate
@@ -80,7 +81,7 @@ def _weights_text(block: ExpertBlock, node: Node | None = None) -> str:
            f"{list(weight.param.meta['val'].shape)}"
 
 
-class _ExpertSharder:
+class ExpertSharder:
     def __init__(self, gm: GraphModule, ctx: CompileContext):
         self.gm, self.graph = gm, gm.graph
         self.ep = ctx.mesh.sizes["ep"]
@@ -90,6 +91,7 @@ class _ExpertSharder:
         self.covered: set[Node] = set()  # nodes allowed to read expert weights
         self.dead: list[Node] = []  # nodes to remove once unused
         self.order = {n: i for i, n in enumerate(self.graph.nodes)}
+        self.hot, self.threshold = ctx.plan.moe.hot_experts, ctx.plan.moe.hot_threshold
 
     # ---- checks -----------------------------------------------------------------------
     def check(self, block: ExpertBlock) -> None:
@@ -104,6 +106,8 @@ class _ExpertSharder:
             raise PlanError(f"ep={self.ep} does not divide the number of routed experts "
                             f"{num} ({_weights_text(block)} at {module_of(block.first())}); "
                             f"choose ep in {divisors(num)} (ep must also divide dp)")
+        if self.hot:
+            check_hot(self, block)
         for weight in block.weights:
             self.params[weight.param] = num
             self.covered.update(weight.reads + weight.views)
@@ -174,9 +178,14 @@ class _ExpertSharder:
     def grouped(self, block: ExpertBlock) -> None:
         x, rows = block.rows, self.static_rows(block.rows, block)
         cumsum = block.offsets[-1]
+        hot = None
         with self.after(x):
-            counts, recv, local = self.exchange(block.counts, x)
-            x_local = self.dispatch(x, counts, recv, local, rows, x)
+            if self.hot:
+                hot = HotFrame(self, block, x, self.int64(block.counts, x), rows)
+                x_local, local = hot.x, hot.counts
+            else:
+                counts, recv, local = self.exchange(block.counts, x)
+                x_local = self.dispatch(x, counts, recv, local, rows, x)
             offs_local = self.call(aten.cumsum.default, (local,) + tuple(cumsum.args[1:]),
                                    cumsum, cumsum.kwargs)
             for convert in reversed(block.offsets[:-1]):
@@ -186,7 +195,25 @@ class _ExpertSharder:
             node.replace_input_with(x, x_local)
         for gemm in block.gemms:
             gemm.replace_input_with(grouped_args(gemm)[2], offs_local)
-        self.combine(block.exit, counts, recv, rows, block.nodes)
+            if hot is not None:
+                view = grouped_args(gemm)[1]
+                gemm.replace_input_with(view, hot.weight(view, gemm))
+        if hot is not None:
+            self.replace_exit(block, hot.back(block.exit))
+        else:
+            self.combine(block.exit, counts, recv, rows, block.nodes)
+
+    def int64(self, counts: Node, like: Node) -> Node:
+        if "val" in counts.meta and counts.meta["val"].dtype != torch.int64:
+            return self.call(aten._to_copy.default, (counts,), like, {"dtype": torch.int64})
+        return counts
+
+    def replace_exit(self, block: ExpertBlock, out: Node) -> None:
+        """Every user of the block's exit outside the block (and the nodes that made `out`)
+        reads `out`."""
+        made = ancestors([out]) - ancestors([block.exit]) - {block.exit}
+        block.exit.replace_all_uses_with(out, delete_user_cb=lambda u: u not in block.nodes
+                                         and u not in made and u is not out)
 
     def gathered(self, block: ExpertBlock) -> None:
         x, ids, rows = block.rows, block.expert_ids, self.static_rows(block.rows, block)
@@ -197,10 +224,16 @@ class _ExpertSharder:
                               {"dtype": torch.int64, "device": ids.meta["val"].device})
             ones = self.call(aten.ones_like.default, (ids,), x)
             counts = self.call(aten.scatter_add.default, (zeros, 0, ids, ones), x)
-            counts, recv, local = self.exchange(counts, x)
             x_sorted = self.call(aten.index.Tensor, (x, [perm]), x)
-            x_local = self.dispatch(x_sorted, counts, recv, local, rows, x)
-            total = x_local.args[3]
+            if self.hot:
+                hot = HotFrame(self, block, x_sorted, counts, rows)
+                x_local, local = hot.x, hot.counts
+                total = self.call(operator.add, (hot.total, hot.hot_total), x)
+            else:
+                hot = None
+                counts, recv, local = self.exchange(counts, x)
+                x_local = self.dispatch(x_sorted, counts, recv, local, rows, x)
+                total = x_local.args[3]
             # local expert l repeated local[l] times: each received row's local expert
             ids_local = self.call(aten.repeat_interleave.Tensor, (local,), x,
                                   {"output_size": total})
@@ -209,7 +242,13 @@ class _ExpertSharder:
         for weight in block.weights:
             for read in weight.reads:
                 read.replace_input_with(ids, ids_local)
-        y = self.combine(block.exit, counts, recv, rows, block.nodes)
+                if hot is not None:
+                    read.replace_input_with(read.args[0], hot.weight(read.args[0], read))
+        if hot is not None:
+            y = hot.back(block.exit)
+            self.replace_exit(block, y)
+        else:
+            y = self.combine(block.exit, counts, recv, rows, block.nodes)
         with self.after(y):
             inverse = self.call(aten.argsort.stable, (perm,), y, {"stable": True})
             unsorted = self.call(aten.index.Tensor, (y, [inverse]), y)
@@ -320,7 +359,7 @@ def shard_ep_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """Shard routed experts over the "ep" group (see module docstring)."""
     if ctx.mesh is None or ctx.mesh.sizes["ep"] == 1 or ctx.plan.moe.capacity_factor is not None:
         return gm  # capacity-padded blocks: moe_capacity.py shards them
-    sharder = _ExpertSharder(gm, ctx)
+    sharder = ExpertSharder(gm, ctx)
     sharder.run()
     for node in sharder.params:
         node.meta["ep_shard_dim"] = 0
@@ -328,4 +367,4 @@ def shard_ep_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
                                    *node.meta["val"].shape[1:]] for node in sharder.params})
 
 
-__all__ = ["shard_ep_pass", "stable_toposort"]
+__all__ = ["ExpertSharder", "shard_ep_pass", "stable_toposort"]

@@ -128,14 +128,14 @@ ep_combine.register_autograd(_backward_dispatch, setup_context=_keep_counts)
 def ep_all_to_all(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """`x` [ep * m, ...]: block s (rows [s*m, (s+1)*m)) goes to rank s of the group; the
     output's block s is what rank s sent here. Its own transpose, so its own backward."""
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     dist.all_to_all_single(out, x.contiguous(), group=process_group(group_name))
     return out
 
 
 @ep_all_to_all.register_fake
 def _(x, group_name):
-    return torch.empty_like(x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _keep_group(ctx, inputs, output):

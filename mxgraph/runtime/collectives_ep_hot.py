@@ -1,0 +1,140 @@
+"""Hot-expert replication (`Plan.moe.hot_experts`), as torch.library custom ops: FasterMoE's
+dynamic shadowing. Rank r of the "ep" group owns experts [r*E/ep, (r+1)*E/ep).
+
+| op               | forward                                              | backward         |
+|------------------|------------------------------------------------------|------------------|
+| `ep_hot_choose`  | all-reduce of the per-expert counts [E] over the group; the k most-loaded experts when replication is on (ascending, -1 when off or unused) and their mask [E] | none (integers) |
+| `ep_hot_weights` | the chosen experts' weights [k, ...] on every rank: each owner puts its experts' slices in, an all-reduce (sum) fills the rest | `ep_hot_grads` |
+| `ep_hot_grads`   | all-reduce (sum) of the replicas' gradients [k, ...]; the owner's expert hot[j] gets slot j's sum, others 0 | none (only a backward) |
+
+Replication is on while max/mean of the group's counts is at least `threshold`; once on
+it stays on until the ratio falls below `HYSTERESIS` x threshold, so it does not flap.
+The state is per block (`key`), identical on every rank of the group (the counts are
+all-reduced first, the rule is deterministic). A block run twice on the same counts (a
+recomputed forward) gets the same answer without moving the state. Each decision is
+recorded in `moe_stats.HOT`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mxgraph.runtime import moe_stats
+from mxgraph.runtime.collectives import KIND, process_group
+
+HYSTERESIS = 0.9
+"""Replication turns off below this fraction of `hot_threshold`."""
+
+
+@dataclass
+class _State:
+    on: bool = False
+    counts: torch.Tensor | None = None  # the last decision's counts and answer
+    answer: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+STATES: dict[tuple[str, str], _State] = {}
+"""(group, block) -> replication state."""
+
+
+def decide(counts: torch.Tensor, k: int, threshold: float, state: _State) -> list[int]:
+    """The experts to replicate for these group-wide `counts` (ascending), updating
+    `state.on` by the hysteresis rule; [] when replication is off."""
+    total = float(counts.sum())
+    ratio = float(counts.max()) * counts.numel() / total if total else 1.0
+    state.on = ratio >= threshold if not state.on else ratio >= HYSTERESIS * threshold
+    if not state.on:
+        return []
+    return sorted(counts.topk(k).indices.tolist())
+
+
+@torch.library.custom_op("mxgraph::ep_hot_choose", mutates_args=())
+def ep_hot_choose(counts: torch.Tensor, k: int, threshold: float, group_name: str,
+                  key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`counts` [E] int64: this rank's rows per expert. Returns (hot [k] int64, mask [E]
+    bool): the replicated experts, ascending, -1 in unused slots; mask[e]: e is hot."""
+    total = counts.clone()
+    dist.all_reduce(total, group=process_group(group_name))
+    state = STATES.setdefault((group_name, key), _State())
+    if state.counts is not None and torch.equal(state.counts, total):
+        return tuple(t.clone() for t in state.answer)
+    chosen = decide(total, k, threshold, state)
+    hot = torch.full((k,), -1, dtype=torch.int64, device=counts.device)
+    hot[:len(chosen)] = torch.tensor(chosen, dtype=torch.int64, device=counts.device)
+    mask = torch.zeros(counts.shape[0], dtype=torch.bool, device=counts.device)
+    mask[hot[:len(chosen)]] = True
+    state.counts, state.answer = total, (hot, mask)
+    moe_stats.HOT[key] = chosen
+    return hot.clone(), mask.clone()
+
+
+@ep_hot_choose.register_fake
+def _(counts, k, threshold, group_name, key):
+    return counts.new_empty(k, dtype=torch.int64), counts.new_empty(counts.shape[0],
+                                                                    dtype=torch.bool)
+
+
+def _owned(hot: torch.Tensor, local: int, rank: int) -> list[tuple[int, int]]:
+    """(slot j, local expert) for the hot experts this rank owns."""
+    return [(j, e - rank * local) for j, e in enumerate(hot.tolist())
+            if e >= 0 and e // local == rank]
+
+
+@torch.library.custom_op("mxgraph::ep_hot_weights", mutates_args=())
+def ep_hot_weights(weight: torch.Tensor, hot: torch.Tensor, group_name: str) -> torch.Tensor:
+    """`weight` [E/ep, ...]: this rank's experts (any view keeping dim 0); `hot` [k] from
+    `ep_hot_choose`. Returns [k, ...]: slot j holds expert hot[j]'s weight (zeros for an
+    unused slot)."""
+    group = process_group(group_name)
+    out = weight.new_zeros(hot.shape[0], *weight.shape[1:])
+    for slot, expert in _owned(hot, weight.shape[0], dist.get_rank(group)):
+        out[slot] = weight[expert]
+    if (hot >= 0).any():
+        dist.all_reduce(out, group=group)
+    return out
+
+
+@ep_hot_weights.register_fake
+def _(weight, hot, group_name):
+    return weight.new_empty(hot.shape[0], *weight.shape[1:])
+
+
+@torch.library.custom_op("mxgraph::ep_hot_grads", mutates_args=())
+def ep_hot_grads(grad: torch.Tensor, hot: torch.Tensor, local: int,
+                 group_name: str) -> torch.Tensor:
+    """The backward of `ep_hot_weights`: `grad` [k, ...] of this rank's replicas ->
+    [local, ...]: the group's sum of slot j's gradients at the owner's expert hot[j]."""
+    group = process_group(group_name)
+    total = grad.contiguous().clone()
+    if (hot >= 0).any():
+        dist.all_reduce(total, group=group)
+    out = grad.new_zeros(local, *grad.shape[1:])
+    for slot, expert in _owned(hot, local, dist.get_rank(group)):
+        out[expert] += total[slot]
+    return out
+
+
+@ep_hot_grads.register_fake
+def _(grad, hot, local, group_name):
+    return grad.new_empty(local, *grad.shape[1:])
+
+
+def _keep(ctx, inputs, output):
+    weight, hot, group_name = inputs
+    ctx.save_for_backward(hot)
+    ctx.local, ctx.group_name = weight.shape[0], group_name
+
+
+def _backward(ctx, grad):
+    (hot,) = ctx.saved_tensors
+    return ep_hot_grads(grad, hot, ctx.local, ctx.group_name), None, None
+
+
+ep_hot_weights.register_autograd(_backward, setup_context=_keep)
+
+KIND.update({"ep_hot_choose": "all_reduce", "ep_hot_weights": "all_reduce",
+             "ep_hot_grads": "all_reduce"})
+
+__all__ = ["HYSTERESIS", "STATES", "decide", "ep_hot_choose", "ep_hot_weights"]
