@@ -156,11 +156,39 @@ def _every_ep_case(rank, world, cases):
             raise AssertionError(f"{plan_kwargs}, {impl}: {error}") from error
 
 
+def _a2a_on_vs_off(rank, world, impl):
+    """moe.a2a_overlap on capacity-padded experts: two chunks along C, each with its own
+    all-to-alls (4 per MoE layer each way), loss bitwise equal to off, gradients 1e-6
+    (the chunks' GEMMs are half as tall: other rounding)."""
+    g = torch.Generator().manual_seed(1)
+    tokens, targets = (torch.randint(0, 256, (4, 16), generator=g) for _ in range(2))
+    results = []
+    for a2a in (False, True):
+        step = mx.compile(_build(impl), mx.Plan(ep=2, overlap=True, moe=dict(
+            capacity_factor=1.0, batched_gemm=impl != "loop", a2a_overlap=a2a)))
+        loss = step(tokens[rank::world], targets[rank::world])
+        results.append((loss, {n: p.grad for n, p in step.named_parameters()}))
+    starts = [n for executor in step.executors() for stage in executor.stages.values()
+              for n in stage.joint.gm.graph.nodes
+              if n.target is torch.ops._c10d_functional.all_to_all_single.default]
+    assert len(starts) == 8, len(starts)  # 1 MoE layer: 2 chunks x 2 ways x (F, B)
+    (off, off_grads), (on, on_grads) = results
+    assert torch.equal(on, off), (on.item(), off.item())
+    for name, grad in on_grads.items():
+        assert rel_err(grad, off_grads[name]) <= 1e-6, name
+
+
+def _ep2(rank, world):
+    _every_ep_case(rank, world, [(dict(ep=2), 1.0, "position", "grouped_mm"),
+                                 (dict(ep=2, moe=dict(batched_gemm=True)), 1.25, "probs",
+                                  "grouped_mm"),
+                                 (dict(ep=2), 8.0, "probs", "loop")])
+    for impl in ("grouped_mm", "loop"):
+        _a2a_on_vs_off(rank, world, impl)
+
+
 def test_ep2_capacity():
-    run_ranks(2, _every_ep_case, [(dict(ep=2), 1.0, "position", "grouped_mm"),
-                                  (dict(ep=2, moe=dict(batched_gemm=True)), 1.25, "probs",
-                                   "grouped_mm"),
-                                  (dict(ep=2), 8.0, "probs", "loop")])
+    run_ranks(2, _ep2)
 
 
 def test_ep4_capacity():
