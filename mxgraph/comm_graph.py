@@ -20,7 +20,7 @@ from mxgraph.cost import concrete, tensor_meta
 from mxgraph.ir import schema_arg
 from mxgraph.runtime.collectives import KIND, VOLUME
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send")
 FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
               "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
 """torch's functional collectives (the asynchronous form, Plan.overlap) by op name."""

@@ -51,6 +51,12 @@ class MoEOptions:
     """Replication runs while max/mean of the per-expert counts is at least this; once on,
     it stays on until the ratio falls below 0.9 x this (hysteresis, so it does not flap).
     1.0 = always on. Must be >= 1."""
+    hot_min_rows: int | None = None
+    """Rows (group-wide, per micro-batch) a hot expert needs to be replicated. None = the
+    cost rule (FasterMoE's): replicate only when the bytes of the rows kept off the
+    all-to-all (dispatch and combine, forward and backward) at least match the bytes its
+    weights' broadcast and its gradients' reduction move. 0 = replicate the k hottest
+    whenever replication is on."""
     adaptive_recompute_threshold: int | None = None
     """Tokens routed to one EP rank above which MoE layers run their recompute variant."""
     a2a_overlap: bool = False
@@ -448,6 +454,10 @@ def _check_moe(plan: Plan) -> None:
     if moe.hot_experts and factor is not None:
         raise PlanError("moe.hot_experts with moe.capacity_factor is not built (capacity-"
                         "padded experts already move equal blocks); use one of them")
+    if moe.hot_min_rows is not None and (not isinstance(moe.hot_min_rows, int) or
+                                         moe.hot_min_rows < 0):
+        raise PlanError(f"moe.hot_min_rows={moe.hot_min_rows!r} must be an integer >= 0, or "
+                        f"None for the cost rule")
     if not isinstance(moe.hot_threshold, (int, float)) or moe.hot_threshold < 1:
         raise PlanError(f"moe.hot_threshold={moe.hot_threshold!r} must be >= 1 (max/mean of "
                         f"the per-expert token counts; 1.0 = always replicate)")

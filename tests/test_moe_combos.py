@@ -2,7 +2,8 @@
 level and each other, against eager autograd on the global batch
 (`check_plan`, tests/test_pipeline_exec.py: loss 1e-5, gradients 1e-4, parameters after
 2 AdamW steps 1e-4). Capacity rows compare with the eager model computing the same drops
-(tests/test_moe_capacity.py's reference); hot experts are forced on (hot_threshold=1.0).
+(tests/test_moe_capacity.py's reference); hot experts are forced on (hot_threshold=1.0,
+hot_min_rows=0).
 One set of processes runs every case (start-up and tracing dominate).
 """
 from tests.distributed import run_ranks
@@ -10,7 +11,7 @@ from tests.test_moe_capacity import _build, _with_capacity
 from tests.test_pipeline_exec import check_plan
 
 CAPACITY = dict(capacity_factor=1.0)
-HOT = dict(hot_experts=1, hot_threshold=1.0)
+HOT = dict(hot_experts=1, hot_threshold=1.0, hot_min_rows=0)
 # (name, plan fields, capacity factor of the reference or None); lr 1e-3 under tp (see
 # tests/test_expert_parallel.py)
 CASES = [("ep4 hot", dict(ep=4, moe=HOT), None),

@@ -1,10 +1,9 @@
 """Hot-expert replication (`Plan.moe.hot_experts`, passes/ep_hot.py,
 runtime/collectives_ep_hot.py) against eager references.
 
-* Forced replication (hot_threshold=1.0: every step is "uneven enough") on ep=2 (ep=4:
-  tests/test_moe_combos.py):
-  `check_plan` (tests/test_pipeline_exec.py) against eager autograd on the global batch:
-  loss 1e-5, gradients 1e-4, parameters after 2 AdamW steps 1e-4. Replicas compute their
+* Forced replication (hot_threshold=1.0: every step is "uneven enough"; hot_min_rows=0:
+  no cost rule) on ep=2 (ep=4: tests/test_moe_combos.py): `check_plan`
+  (tests/test_pipeline_exec.py) against eager autograd on the global batch: loss 1e-5, gradients 1e-4, parameters after 2 AdamW steps 1e-4. Replicas compute their
   rows with the owner's weights, and their weight gradients are summed back to the owner
   in another order than the owner alone would (fp32 rounding: the stated 1e-4 bound).
 * Replication on vs off directly: losses within 1e-6 relative, gradients 1e-5.
@@ -43,7 +42,7 @@ def _on_vs_off(rank, world, make, plan_kwargs):
     results = []
     for hot in (0, 1):
         step = mx.compile(make(), mx.Plan(**plan_kwargs, moe=dict(hot_experts=hot,
-                                                                  hot_threshold=1.0)))
+                                                                  hot_threshold=1.0, hot_min_rows=0)))
         loss = step(tokens[rank::world], targets[rank::world])
         results.append((loss, {n: p.grad for n, p in step.named_parameters()},
                         step.moe_stats()["hot"]))
@@ -59,7 +58,7 @@ def _every_case(rank, world, cases):
         try:
             if kind == "eager":
                 check_plan(rank, world, make, dict(plan_kwargs, moe=dict(
-                    hot_experts=1, hot_threshold=1.0)), steps=2)
+                    hot_experts=1, hot_threshold=1.0, hot_min_rows=0)), steps=2)
             else:
                 _on_vs_off(rank, world, make, plan_kwargs)
         except AssertionError as error:
@@ -83,6 +82,17 @@ def test_hysteresis():
     picks = [decide(counts, 1, 1.5, state) for counts in steps]
     assert picks == [[], [0], [0], [0], [], [], [0]]
     assert decide(torch.tensor([1, 30, 2, 27]), 2, 1.0, _State()) == [1, 3]  # ascending
+    # the cost rule: of the two hottest only those with >= min_rows rows
+    assert decide(torch.tensor([1, 30, 2, 27]), 2, 1.0, _State(), min_rows=28) == [1]
+
+
+def test_cost_rule():
+    """moe-tiny's experts (3 x 64 x 128 fp32 = 96 KiB) vs rows of 128 fp32 (512 B): at
+    ep=2 a row off the all-to-all saves 4 x 1/2 x 512 B, a replica costs 2 x 96 KiB."""
+    from mxgraph.passes.ep_hot import cost_rule
+    from tests.test_moe_blocks import _find
+    _, blocks = _find(_build())
+    assert cost_rule(blocks[0], blocks[0].rows, 2) == 2 * 3 * 64 * 128 * 4 // (4 * 512 // 2)
 
 
 def test_hot_experts_must_leave_one_local_expert():

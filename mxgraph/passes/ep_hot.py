@@ -3,8 +3,8 @@
 
 With X the block's rows sorted by global expert and `counts` [E] its rows per expert:
 
-  hot, mask = ep_hot_choose(counts, k, threshold)   group-wide counts -> the k hottest
-                                                    experts (-1: off / unused), mask [E]
+  hot, mask = ep_hot_choose(counts, k, threshold,   group-wide counts -> the k hottest
+                            min_rows)               experts worth it (-1: off / unused)
   send = counts * ~mask                             hot rows never enter the all-to-all
   recv = ep_counts(send); local = recv.sum(0)
   perm = argsort(mask[expert of each row])          the sent rows first (expert order),
@@ -24,6 +24,7 @@ the small all-reduce of the counts.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -52,14 +53,26 @@ def check_hot(sharder, block: ExpertBlock) -> None:
                         f"set hot_experts=0")
 
 
+def cost_rule(block: ExpertBlock, x: Node, ep: int) -> int:
+    """The group-wide rows that make replicating an expert pay: each of its rows off the
+    all-to-all saves ~(ep-1)/ep of a row four times (dispatch, combine, both backward);
+    a replica costs its weights once (broadcast) and their gradients once (reduce)."""
+    row = x.meta["val"]
+    row_bytes = row[0].numel() * row.element_size()
+    expert_bytes = sum(w.param.meta["val"].numel() // block.num_experts *
+                       w.param.meta["val"].element_size() for w in block.weights)
+    return math.ceil(2 * expert_bytes / (4 * row_bytes * (ep - 1) / ep))
+
+
 class HotFrame:
     """The rows of one block: sent to their owners, or computed here on replicas."""
 
     def __init__(self, sharder, block: ExpertBlock, x: Node, counts: Node, rows: int):
         s, self.s, self.rows = sharder, sharder, rows
         self.key = module_of(block.first())
-        choice = s.call(mx.ep_hot_choose.default, (counts, s.hot, s.threshold, s.group,
-                                                   self.key), x)
+        min_rows = s.min_rows if s.min_rows is not None else cost_rule(block, x, s.ep)
+        choice = s.call(mx.ep_hot_choose.default, (counts, s.hot, s.threshold, min_rows,
+                                                   s.group, self.key), x)
         self.hot, mask = (s.call(operator.getitem, (choice, i), x) for i in (0, 1))
         self.send = s.call(aten.mul.Tensor, (counts, s.call(aten.logical_not.default, (mask,),
                                                             x)), x)

@@ -91,7 +91,9 @@ class ExpertSharder:
         self.covered: set[Node] = set()  # nodes allowed to read expert weights
         self.dead: list[Node] = []  # nodes to remove once unused
         self.order = {n: i for i, n in enumerate(self.graph.nodes)}
-        self.hot, self.threshold = ctx.plan.moe.hot_experts, ctx.plan.moe.hot_threshold
+        moe = ctx.plan.moe
+        self.hot, self.threshold, self.min_rows = moe.hot_experts, moe.hot_threshold, \
+            moe.hot_min_rows
 
     # ---- checks -----------------------------------------------------------------------
     def check(self, block: ExpertBlock) -> None:

@@ -10,7 +10,10 @@ and the rows move with `all_to_all_single` with variable splits.
 | `ep_counts`   | all-to-all of the per-expert counts [E] -> [ep, E/ep] (row s: rank s's) | none (integers) |
 | `ep_dispatch` | rows sorted by global expert -> rows sorted by local expert (then source rank) | `ep_combine` |
 | `ep_combine`  | the inverse: local-expert order -> back to the sender, in its original order | `ep_dispatch` |
-| `ep_all_to_all` | equal splits: block s of the input [ep * m, ...] goes to rank s; block s of the output came from rank s (capacity-padded experts: static shapes, no counts) | `ep_all_to_all` |
+| `ep_all_to_all` | equal splits (capacity-padded experts, below)      | `ep_all_to_all`       |
+
+`ep_all_to_all`: block s of the input [ep * m, ...] goes to rank s, block s of the output
+came from rank s; static shapes, no counts (passes/moe_capacity.py).
 
 `ep_dispatch` and `ep_combine` are linear maps and each other's transpose (all-to-all
 plus a permutation of row blocks; rows past the counted ones are zero on output and

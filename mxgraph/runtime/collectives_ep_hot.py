@@ -1,14 +1,19 @@
 """Hot-expert replication (`Plan.moe.hot_experts`), as torch.library custom ops: FasterMoE's
 dynamic shadowing. Rank r of the "ep" group owns experts [r*E/ep, (r+1)*E/ep).
 
-| op               | forward                                              | backward         |
-|------------------|------------------------------------------------------|------------------|
-| `ep_hot_choose`  | all-reduce of the per-expert counts [E] over the group; the k most-loaded experts when replication is on (ascending, -1 when off or unused) and their mask [E] | none (integers) |
-| `ep_hot_weights` | the chosen experts' weights [k, ...] on every rank: each owner puts its experts' slices in, an all-reduce (sum) fills the rest | `ep_hot_grads` |
-| `ep_hot_grads`   | all-reduce (sum) of the replicas' gradients [k, ...]; the owner's expert hot[j] gets slot j's sum, others 0 | none (only a backward) |
+* `ep_hot_choose` (no backward: integers): an all-reduce of the per-expert counts [E]
+  over the group; returns the k most-loaded experts when replication is on (ascending,
+  -1 when off or unused) and their mask [E].
+* `ep_hot_weights` (backward: `ep_hot_grads`): the chosen experts' weights [k, ...] on
+  every rank, each slot broadcast by its owner.
+* `ep_hot_grads`: the replicas' gradients [k, ...] reduced (sum) to each slot's owner,
+  which adds slot j's sum to expert hot[j]'s gradient; the other ranks get 0.
 
 Replication is on while max/mean of the group's counts is at least `threshold`; once on
 it stays on until the ratio falls below `HYSTERESIS` x threshold, so it does not flap.
+Of the k most-loaded experts, only those with at least `min_rows` rows group-wide are
+replicated (FasterMoE's cost rule, `ep_hot.min_rows`: the bytes of the rows kept off the
+all-to-all must pay for the weights' broadcast and their gradients' reduction).
 The state is per block (`key`), identical on every rank of the group (the counts are
 all-reduced first, the rule is deterministic). A block run twice on the same counts (a
 recomputed forward) gets the same answer without moving the state. Each decision is
@@ -39,28 +44,32 @@ STATES: dict[tuple[str, str], _State] = {}
 """(group, block) -> replication state."""
 
 
-def decide(counts: torch.Tensor, k: int, threshold: float, state: _State) -> list[int]:
+def decide(counts: torch.Tensor, k: int, threshold: float, state: _State,
+           min_rows: int = 0) -> list[int]:
     """The experts to replicate for these group-wide `counts` (ascending), updating
-    `state.on` by the hysteresis rule; [] when replication is off."""
+    `state.on` by the hysteresis rule; [] when replication is off. Of the k most-loaded
+    experts only those with at least `min_rows` rows are replicated (the cost rule)."""
     total = float(counts.sum())
     ratio = float(counts.max()) * counts.numel() / total if total else 1.0
     state.on = ratio >= threshold if not state.on else ratio >= HYSTERESIS * threshold
     if not state.on:
         return []
-    return sorted(counts.topk(k).indices.tolist())
+    top = counts.topk(k)
+    return sorted(e for e, n in zip(top.indices.tolist(), top.values.tolist()) if n >= min_rows)
 
 
 @torch.library.custom_op("mxgraph::ep_hot_choose", mutates_args=())
-def ep_hot_choose(counts: torch.Tensor, k: int, threshold: float, group_name: str,
-                  key: str) -> tuple[torch.Tensor, torch.Tensor]:
+def ep_hot_choose(counts: torch.Tensor, k: int, threshold: float, min_rows: int,
+                  group_name: str, key: str) -> tuple[torch.Tensor, torch.Tensor]:
     """`counts` [E] int64: this rank's rows per expert. Returns (hot [k] int64, mask [E]
-    bool): the replicated experts, ascending, -1 in unused slots; mask[e]: e is hot."""
+    bool): the replicated experts, ascending, -1 in unused slots; mask[e]: e is hot.
+    `min_rows`: the group-wide rows an expert needs to be worth replicating (`decide`)."""
     total = counts.clone()
     dist.all_reduce(total, group=process_group(group_name))
     state = STATES.setdefault((group_name, key), _State())
     if state.counts is not None and torch.equal(state.counts, total):
         return tuple(t.clone() for t in state.answer)
-    chosen = decide(total, k, threshold, state)
+    chosen = decide(total, k, threshold, state, min_rows)
     hot = torch.full((k,), -1, dtype=torch.int64, device=counts.device)
     hot[:len(chosen)] = torch.tensor(chosen, dtype=torch.int64, device=counts.device)
     mask = torch.zeros(counts.shape[0], dtype=torch.bool, device=counts.device)
@@ -71,7 +80,7 @@ def ep_hot_choose(counts: torch.Tensor, k: int, threshold: float, group_name: st
 
 
 @ep_hot_choose.register_fake
-def _(counts, k, threshold, group_name, key):
+def _(counts, k, threshold, min_rows, group_name, key):
     return counts.new_empty(k, dtype=torch.int64), counts.new_empty(counts.shape[0],
                                                                     dtype=torch.bool)
 
@@ -88,11 +97,14 @@ def ep_hot_weights(weight: torch.Tensor, hot: torch.Tensor, group_name: str) -> 
     `ep_hot_choose`. Returns [k, ...]: slot j holds expert hot[j]'s weight (zeros for an
     unused slot)."""
     group = process_group(group_name)
+    local = weight.shape[0]
     out = weight.new_zeros(hot.shape[0], *weight.shape[1:])
-    for slot, expert in _owned(hot, weight.shape[0], dist.get_rank(group)):
+    for slot, expert in _owned(hot, local, dist.get_rank(group)):
         out[slot] = weight[expert]
-    if (hot >= 0).any():
-        dist.all_reduce(out, group=group)
+    for slot, expert in enumerate(hot.tolist()):
+        if expert >= 0:  # from its owner to the group
+            dist.broadcast(out[slot], src=dist.get_global_rank(group, expert // local),
+                           group=group)
     return out
 
 
@@ -108,8 +120,10 @@ def ep_hot_grads(grad: torch.Tensor, hot: torch.Tensor, local: int,
     [local, ...]: the group's sum of slot j's gradients at the owner's expert hot[j]."""
     group = process_group(group_name)
     total = grad.contiguous().clone()
-    if (hot >= 0).any():
-        dist.all_reduce(total, group=group)
+    for slot, expert in enumerate(hot.tolist()):
+        if expert >= 0:  # the group's sum, at the owner
+            dist.reduce(total[slot], dst=dist.get_global_rank(group, expert // local),
+                        group=group)
     out = grad.new_zeros(local, *grad.shape[1:])
     for slot, expert in _owned(hot, local, dist.get_rank(group)):
         out[expert] += total[slot]
@@ -134,7 +148,7 @@ def _backward(ctx, grad):
 
 ep_hot_weights.register_autograd(_backward, setup_context=_keep)
 
-KIND.update({"ep_hot_choose": "all_reduce", "ep_hot_weights": "all_reduce",
-             "ep_hot_grads": "all_reduce"})
+KIND.update({"ep_hot_choose": "all_reduce", "ep_hot_weights": "broadcast",
+             "ep_hot_grads": "reduce"})
 
 __all__ = ["HYSTERESIS", "STATES", "decide", "ep_hot_choose", "ep_hot_weights"]
