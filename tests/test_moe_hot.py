@@ -4,7 +4,8 @@ runtime/collectives_ep_hot.py) against eager references.
 * Forced replication (hot_threshold=1.0: every step is "uneven enough"; hot_min_rows=0:
   no cost rule) on ep=2 (ep=4: tests/test_moe_combos.py): `check_plan`
   (tests/test_pipeline_exec.py) against eager autograd on the global batch: loss 1e-5,
-  gradients 1e-4, parameters after 2 AdamW steps 1e-4. Replicas compute their rows with the owner's weights, and their weight gradients are summed back to the owner
+  gradients 1e-4, parameters after 2 AdamW steps 1e-4. Replicas compute their rows with
+  the owner's weights, and their weight gradients are summed back to the owner
   in another order than the owner alone would (fp32 rounding: the stated 1e-4 bound).
 * Replication on vs off directly: losses within 1e-6 relative, gradients 1e-5.
 * The switch: `decide` turns replication on at max/mean >= threshold and off only below
