@@ -161,13 +161,7 @@ class _Padder:
                          device=x.meta["val"].device)
         source = self.call(aten.scatter.src, fill, 0, slot, arange, like=x)
         source = self.call(aten.slice.Tensor, source, 0, 0, total, like=x)
-        return self.call(aten.index.Tensor, self.with_zero_row(x), [source], like=x)
-
-    def with_zero_row(self, x: Node) -> Node:
-        val = x.meta.get("val")
-        shape = [1, *val.shape[1:]] if val is not None else None
-        zero = self.call(aten.zeros.default, shape, like=x, dtype=val.dtype, device=val.device)
-        return self.call(aten.cat.default, [x, zero], like=x)
+        return self.call(aten.index.Tensor, self.with_zero_row(x, x), [source], like=x)
 
     # ---- the all-to-alls -------------------------------------------------------------------
     def send(self, rows: Node, local: int, cap: int, trail) -> Node:
@@ -317,14 +311,15 @@ class _Padder:
         with self.graph.inserting_before(last.next):
             y = outs[0] if len(outs) == 1 else self.call(aten.cat.default, outs, 1, like=last)
             y = self.call(aten.reshape.default, y, [num * cap, *out_trail], like=last)
-            y = self.call(aten.index.Tensor, self.with_zero_row_like(y, last), [slot], like=last)
+            y = self.call(aten.index.Tensor, self.with_zero_row(y, last), [slot], like=last)
         chain = set(nodes)
         (block.exit if block.form == "loop" else first_exit).replace_all_uses_with(
             y, delete_user_cb=lambda u: u not in chain and u not in self.created)
         if block.form == "loop":
             self.drop_loop(block, mine)
 
-    def with_zero_row_like(self, y: Node, like: Node) -> Node:
+    def with_zero_row(self, y: Node, like: Node) -> Node:
+        """[y; a row of zeros] (the row the dropped slots read)."""
         zero = self.call(aten.zeros_like.default, self.call(
             aten.slice.Tensor, y, 0, 0, 1, like=like), like=like)
         return self.call(aten.cat.default, [y, zero], like=like)
