@@ -40,8 +40,9 @@ class _State:
     answer: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-STATES: dict[tuple[str, str], _State] = {}
-"""(group, block) -> replication state."""
+STATES: dict[tuple, _State] = {}
+"""(group, block, k, threshold, min_rows) -> replication state (one per compiled setting,
+so two steps of one process with other options do not share a decision)."""
 
 
 def decide(counts: torch.Tensor, k: int, threshold: float, state: _State,
@@ -66,7 +67,7 @@ def ep_hot_choose(counts: torch.Tensor, k: int, threshold: float, min_rows: int,
     `min_rows`: the group-wide rows an expert needs to be worth replicating (`decide`)."""
     total = counts.clone()
     dist.all_reduce(total, group=process_group(group_name))
-    state = STATES.setdefault((group_name, key), _State())
+    state = STATES.setdefault((group_name, key, k, threshold, min_rows), _State())
     if state.counts is not None and torch.equal(state.counts, total):
         return tuple(t.clone() for t in state.answer)
     chosen = decide(total, k, threshold, state, min_rows)
