@@ -95,16 +95,14 @@ class HotFrame:
         x_hot = s.call(aten.narrow.default, (x_perm, 0, self.sent, self.hot_total), x)
         self.x = s.call(aten.cat.default, ([x_local, x_hot],), x)
         self.counts = s.call(aten.cat.default, ([self.local, self.hot_counts],), x)
-        self.weights: dict[Node, Node] = {}
 
-    def weight(self, view: Node, like: Node) -> Node:
-        """[E/ep + k, ...]: this rank's experts `view`, then the replicas."""
-        if view not in self.weights:
-            s = self.s
-            with s.after(view):
-                replicas = s.call(mx.ep_hot_weights.default, (view, self.hot, s.group), like)
-                self.weights[view] = s.call(aten.cat.default, ([view, replicas],), like)
-        return self.weights[view]
+    def replicate(self, views: list[Node], like: Node) -> dict[Node, Node]:
+        """Per expert weight `view` [E/ep, ...]: [E/ep + k, ...], this rank's experts then
+        the replicas (one `ep_hot_weights` for all of them)."""
+        s, views = self.s, list(dict.fromkeys(views))
+        replicas = s.call(mx.ep_hot_weights.default, (views, self.hot, s.group), like)
+        return {view: s.call(aten.cat.default, ([view, s.call(
+            operator.getitem, (replicas, i), like)],), like) for i, view in enumerate(views)}
 
     def back(self, y: Node) -> Node:
         """The experts' output rows (X_ext's order) -> X's order; inserted after `y`."""

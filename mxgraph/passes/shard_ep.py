@@ -195,11 +195,14 @@ class ExpertSharder:
                                        convert, convert.kwargs)
         for node in block.nodes:
             node.replace_input_with(x, x_local)
+        if hot is not None:
+            with self.after(x):
+                extended = hot.replicate([grouped_args(g)[1] for g in block.gemms], x)
         for gemm in block.gemms:
             gemm.replace_input_with(grouped_args(gemm)[2], offs_local)
             if hot is not None:
                 view = grouped_args(gemm)[1]
-                gemm.replace_input_with(view, hot.weight(view, gemm))
+                gemm.replace_input_with(view, extended[view])
         if hot is not None:
             self.replace_exit(block, hot.back(block.exit))
         else:
@@ -241,11 +244,14 @@ class ExpertSharder:
                                   {"output_size": total})
         for node in block.nodes:
             node.replace_input_with(x, x_local)
-        for weight in block.weights:
-            for read in weight.reads:
-                read.replace_input_with(ids, ids_local)
-                if hot is not None:
-                    read.replace_input_with(read.args[0], hot.weight(read.args[0], read))
+        reads = [read for weight in block.weights for read in weight.reads]
+        if hot is not None:
+            with self.after(x):
+                extended = hot.replicate([read.args[0] for read in reads], x)
+        for read in reads:
+            read.replace_input_with(ids, ids_local)
+            if hot is not None:
+                read.replace_input_with(read.args[0], extended[read.args[0]])
         if hot is not None:
             y = hot.back(block.exit)
             self.replace_exit(block, y)

@@ -4,10 +4,10 @@ dynamic shadowing. Rank r of the "ep" group owns experts [r*E/ep, (r+1)*E/ep).
 * `ep_hot_choose` (no backward: integers): an all-reduce of the per-expert counts [E]
   over the group; returns the k most-loaded experts when replication is on (ascending,
   -1 when off or unused) and their mask [E].
-* `ep_hot_weights` (backward: `ep_hot_grads`): the chosen experts' weights [k, ...] on
-  every rank, each slot broadcast by its owner.
+* `ep_hot_weights` (backward: `ep_hot_grads`): the chosen experts' weights [k, ...] of
+  every expert parameter of a block on every rank, one broadcast per slot from its owner.
 * `ep_hot_grads`: the replicas' gradients [k, ...] reduced (sum) to each slot's owner,
-  which adds slot j's sum to expert hot[j]'s gradient; the other ranks get 0.
+  one reduce per slot; the owner's expert hot[j] gets slot j's sum, the other ranks 0.
 
 Replication is on while max/mean of the group's counts is at least `threshold`; once on
 it stays on until the ratio falls below `HYSTERESIS` x threshold, so it does not flap.
@@ -92,59 +92,81 @@ def _owned(hot: torch.Tensor, local: int, rank: int) -> list[tuple[int, int]]:
             if e >= 0 and e // local == rank]
 
 
+def _pack(tensors: list[torch.Tensor], index: int) -> torch.Tensor:
+    return torch.cat([t[index].reshape(-1) for t in tensors])
+
+
+def _unpack(flat: torch.Tensor, into: list[torch.Tensor], index: int) -> None:
+    start = 0
+    for t in into:
+        n = t[index].numel()
+        t[index] = flat[start:start + n].view_as(t[index])
+        start += n
+
+
+def _slots(hot: torch.Tensor, local: int, group):
+    """(slot, expert, owner's global rank) of every used slot."""
+    return [(j, e, dist.get_global_rank(group, e // local)) for j, e in enumerate(hot.tolist())
+            if e >= 0]
+
+
 @torch.library.custom_op("mxgraph::ep_hot_weights", mutates_args=())
-def ep_hot_weights(weight: torch.Tensor, hot: torch.Tensor, group_name: str) -> torch.Tensor:
-    """`weight` [E/ep, ...]: this rank's experts (any view keeping dim 0); `hot` [k] from
-    `ep_hot_choose`. Returns [k, ...]: slot j holds expert hot[j]'s weight (zeros for an
-    unused slot)."""
+def ep_hot_weights(weights: list[torch.Tensor], hot: torch.Tensor,
+                   group_name: str) -> list[torch.Tensor]:
+    """`weights`: each [E/ep, ...], this rank's experts of one parameter (any view keeping
+    dim 0); `hot` [k] from `ep_hot_choose`. Returns per weight [k, ...]: slot j holds
+    expert hot[j]'s weight (zeros for an unused slot). One broadcast per used slot carries
+    all the weights of that expert."""
     group = process_group(group_name)
-    local = weight.shape[0]
-    out = weight.new_zeros(hot.shape[0], *weight.shape[1:])
-    for slot, expert in _owned(hot, local, dist.get_rank(group)):
-        out[slot] = weight[expert]
-    for slot, expert in enumerate(hot.tolist()):
-        if expert >= 0:  # from its owner to the group
-            dist.broadcast(out[slot], src=dist.get_global_rank(group, expert // local),
-                           group=group)
-    return out
+    local, rank = weights[0].shape[0], dist.get_rank(group)
+    outs = [w.new_zeros(hot.shape[0], *w.shape[1:]) for w in weights]
+    for slot, expert, owner in _slots(hot, local, group):
+        flat = _pack(weights, expert - rank * local) if expert // local == rank else \
+            weights[0].new_empty(sum(w[0].numel() for w in weights))
+        dist.broadcast(flat, src=owner, group=group)
+        _unpack(flat, outs, slot)
+    return outs
 
 
 @ep_hot_weights.register_fake
-def _(weight, hot, group_name):
-    return weight.new_empty(hot.shape[0], *weight.shape[1:])
+def _(weights, hot, group_name):
+    return [w.new_empty(hot.shape[0], *w.shape[1:]) for w in weights]
 
 
 @torch.library.custom_op("mxgraph::ep_hot_grads", mutates_args=())
-def ep_hot_grads(grad: torch.Tensor, hot: torch.Tensor, local: int,
-                 group_name: str) -> torch.Tensor:
-    """The backward of `ep_hot_weights`: `grad` [k, ...] of this rank's replicas ->
-    [local, ...]: the group's sum of slot j's gradients at the owner's expert hot[j]."""
+def ep_hot_grads(grads: list[torch.Tensor], hot: torch.Tensor, local: int,
+                 group_name: str) -> list[torch.Tensor]:
+    """The backward of `ep_hot_weights`: per weight, `grads` [k, ...] of this rank's
+    replicas -> [local, ...]: the group's sum of slot j's gradients at the owner's expert
+    hot[j] (one reduce per used slot for all the weights)."""
     group = process_group(group_name)
-    total = grad.contiguous().clone()
-    for slot, expert in enumerate(hot.tolist()):
-        if expert >= 0:  # the group's sum, at the owner
-            dist.reduce(total[slot], dst=dist.get_global_rank(group, expert // local),
-                        group=group)
-    out = grad.new_zeros(local, *grad.shape[1:])
-    for slot, expert in _owned(hot, local, dist.get_rank(group)):
-        out[expert] += total[slot]
-    return out
+    rank = dist.get_rank(group)
+    outs = [g.new_zeros(local, *g.shape[1:]) for g in grads]
+    for slot, expert, owner in _slots(hot, local, group):
+        flat = _pack(grads, slot).contiguous()
+        dist.reduce(flat, dst=owner, group=group)
+        if expert // local == rank:
+            _unpack(flat, outs, expert - rank * local)
+    return outs
 
 
 @ep_hot_grads.register_fake
-def _(grad, hot, local, group_name):
-    return grad.new_empty(local, *grad.shape[1:])
+def _(grads, hot, local, group_name):
+    return [g.new_empty(local, *g.shape[1:]) for g in grads]
 
 
 def _keep(ctx, inputs, output):
-    weight, hot, group_name = inputs
+    weights, hot, group_name = inputs
     ctx.save_for_backward(hot)
-    ctx.local, ctx.group_name = weight.shape[0], group_name
+    ctx.local, ctx.group_name = weights[0].shape[0], group_name
+    ctx.shapes = [(hot.shape[0], *w.shape[1:]) for w in weights]
 
 
-def _backward(ctx, grad):
+def _backward(ctx, grads):
     (hot,) = ctx.saved_tensors
-    return ep_hot_grads(grad, hot, ctx.local, ctx.group_name), None, None
+    grads = [g if g is not None else hot.new_zeros(shape, dtype=torch.float32)
+             for g, shape in zip(grads, ctx.shapes)]
+    return ep_hot_grads(list(grads), hot, ctx.local, ctx.group_name), None, None
 
 
 ep_hot_weights.register_autograd(_backward, setup_context=_keep)
