@@ -29,6 +29,11 @@ Matches -> Rewrite to (per form of `moe_blocks`):
                                                   as above; O_e = split(Y, rows of x[t_e])[e]
                                                   for every e (its combine unchanged)
 
+With `Plan.moe.hot_experts` the grouped and gathered forms use the hot-expert frame of
+`ep_hot.py` instead of the exchange and dispatch above (replicated experts' rows stay
+here); with `Plan.moe.capacity_factor` this pass does nothing (`moe_capacity.py` pads
+and shards the blocks).
+
 W_l is the parameter placeholder at its local shape [E/ep, ...]. Received row counts are
 data-dependent: `total` (grouped, gathered) or each local count (loop) is an `item()` in the
 graph, an unbacked SymInt when traced, checked to [0, ep * rows], so every buffer has its
