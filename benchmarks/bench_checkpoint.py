@@ -5,7 +5,7 @@ is blocked by one save with
   floor            a plain copy into pre-allocated, already-faulted /dev/shm
   mxgraph          FlashCheckpointer.save, saver process (cold = first use of a slot,
                    warm = slot reused; persist = warm save that also asks for a disk write)
-  torch.save       to a file
+  torch.save       to a file (page cache), and with fsync (durable, as a checkpoint must be)
   dcp.save         torch.distributed.checkpoint.save
   dcp.async_save   thread and process checkpointers, default staging
 and the time to restore with mxgraph from memory and from disk (page cache warm), both
@@ -139,6 +139,14 @@ def bench_baselines(state: dict, root: str) -> dict:
     out = {}
     path = os.path.join(root, "torch_save.pt")
     out["torch.save"] = timed(lambda: torch.save(state, path))
+    os.unlink(path)
+
+    def durable():  # what a checkpoint that survives a crash of the node needs
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    out["torch.save + fsync"] = timed(durable)
     t0 = time.perf_counter()
     loaded = torch.load(path)
     out["restore torch.load"] = time.perf_counter() - t0

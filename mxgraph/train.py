@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 
@@ -17,10 +18,11 @@ from tqdm import tqdm
 
 import mxgraph
 from mxgraph.data import Batches, load_tokens, split
-from mxgraph.errors import DataError
+from mxgraph.errors import DataError, UserError
 from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
 from mxgraph.plan import Plan
 from mxgraph.runtime.checkpoint import FlashCheckpointer
+from mxgraph.runtime.checkpoint_disk import saved_world_size
 from mxgraph.runtime.checkpoint_state import apply_training_state, capture_training_state
 from mxgraph.runtime.device import detect
 from mxgraph.runtime.launch import init_from_environment
@@ -80,6 +82,26 @@ class TrainConfig:
     """Steps --profile records after its 2 warm-up steps."""
 
 
+class _ConsoleHandler(logging.Handler):
+    """Log records written above the progress bar (tqdm.write), to stderr."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+def log_to_console() -> None:
+    """Show mxgraph's log on stderr as `mxgraph[rank R]: message`: INFO and up on rank 0,
+    warnings and up on the other ranks (restores, restarts, slow nodes, checkpoints)."""
+    rank = int(os.environ.get("RANK", "0"))
+    root = logging.getLogger("mxgraph")
+    if any(isinstance(h, _ConsoleHandler) for h in root.handlers):
+        return
+    handler = _ConsoleHandler()
+    handler.setFormatter(logging.Formatter(f"mxgraph[rank {rank}]: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -123,6 +145,9 @@ def _run_id(checkpoint_dir: str) -> str:
 
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     """Train and return {"train_loss", "val_loss", "tokens_per_s", "seconds", "start_step"}."""
+    started = time.perf_counter()
+    if cfg.save_every or cfg.resume:
+        check_checkpoint_dir(cfg.checkpoint_dir)
     rank = _init_distributed()
     seed_everything(cfg.seed)
     plan = Plan.from_toml(cfg.plan) if cfg.plan else Plan()
@@ -144,16 +169,16 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
                                   betas=(0.9, 0.95))
     named = dict(model.named_parameters() if cfg.eager else step_fn.named_parameters())
     checkpointer, start_step = None, 0
-    if cfg.save_every or cfg.resume:
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if cfg.save_every or cfg.resume or restart:
         checkpointer = FlashCheckpointer.from_env(cfg.checkpoint_dir, keep=cfg.keep,
                                                   run_id=_run_id(cfg.checkpoint_dir))
-    if cfg.resume:
-        restored = checkpointer.restore(into=_capture(plan, named, optimizer))
-        if restored is not None:
-            position = _apply(restored.state, named, optimizer)
-            batches.load_state_dict(position)
-            start_step = restored.step
-            log.info("resumed at step %d from %s", start_step, restored.source)
+    if cfg.resume or restart:  # a restarted worker resumes by itself
+        try:
+            start_step = _resume(checkpointer, plan, named, optimizer, batches, restart, started)
+        except UserError:  # a checkpoint of another model or plan: nothing to keep for
+            checkpointer.close()
+            raise
     start = time.perf_counter()
     bar = tqdm(range(start_step, cfg.steps), disable=not progress or rank != 0,
                unit="step", dynamic_ncols=True)
@@ -202,6 +227,54 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             "start_step": start_step}
 
 
+def check_checkpoint_dir(path: str) -> None:
+    """UserError unless `path` is (or can be made) a directory this process can write: a
+    bad --checkpoint-dir fails at start, not at the first save."""
+    probe = os.path.join(path, f".mxgraph-write-test-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.unlink(probe)
+    except OSError as error:
+        raise UserError(f"--checkpoint-dir {path} is not a writable directory "
+                        f"({error.strerror or error}); choose a directory you can write") from None
+
+
+def _resume(checkpointer: FlashCheckpointer, plan: Plan, named: dict, optimizer, batches,
+            restart: int, started: float) -> int:
+    """Restore the newest snapshot (memory if every rank holds it, else disk) into the
+    live parameters, optimizer and data position; returns the step to start at (0 when
+    there is nothing to resume). Rank 0 logs where it came from and, after a restart
+    (`restart` = torchrun's restart count), how long the failure cost."""
+    restored = checkpointer.restore(into=_capture(plan, named, optimizer))
+    info = checkpointer.restore_info
+    rank = checkpointer.rank
+    prefix = f"restart {restart} (at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}): " \
+        if restart else ""
+    if restored is None:
+        if rank == 0:
+            log.warning("%snothing to resume in %s (no snapshot in memory, no committed "
+                        "checkpoint on disk): starting at step 0", prefix, checkpointer.directory)
+        return 0
+    batches.load_state_dict(_apply(restored.state, named, optimizer))
+    if rank != 0:
+        return restored.step
+    where = "memory (every rank held it)" if info.source == "memory" else f"disk ({info.path})"
+    message = f"{prefix}resumed at step {restored.step} from {where}: restore " \
+        f"{info.seconds:.2f} s, start-up with compile {time.perf_counter() - started:.1f} s"
+    if restart:  # the failed attempt's steps after the snapshot are redone
+        lost = time.time() - restored.state.get("saved_at", time.time())
+        message += f"; {lost:.1f} s of training lost to the failure (since that snapshot)"
+    log.warning(message)
+    if info.resharded:
+        log.warning("the job runs on %d process(es) now, the checkpoint was saved on %d: data "
+                    "parallelism is %d now (each step trains --batch-size sequences per "
+                    "data-parallel rank)", checkpointer.world_size,
+                    saved_world_size(info.path), plan.resolve_dp(checkpointer.world_size))
+    return restored.step
+
+
 def step_profiler(cfg: TrainConfig, rank: int, num_steps: int):
     """A started torch.profiler.profile whose schedule skips 2 warm-up steps and records
     `cfg.profile_steps`, writing `cfg.profile`/rank{rank}.json; None without --profile."""
@@ -231,6 +304,7 @@ def _capture(plan: Plan, named: dict, optimizer, data_position=None,
     shards, pp stages) the parameters and the optimizer state go under "rank_local" (kept
     per rank on disk, instead of once for all ranks)."""
     state = capture_training_state(named, optimizer, None, data_position, plan_dict)
+    state["saved_at"] = time.time()  # wall clock: a restart tells how much time it lost
     if plan.zero1 or plan.tp > 1 or plan.pp > 1 or plan.ep > 1:
         state["rank_local"]["sharded"] = {"model": state.pop("model"),
                                           "optimizer": state.pop("optimizer")}

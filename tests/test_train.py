@@ -55,11 +55,25 @@ def test_cli_help_and_run(capsys):
     assert "validation loss" in capsys.readouterr().out
 
 
-def test_nproc_is_dropped_for_the_torchrun_child():
-    from mxgraph.cli import without_nproc
-    assert without_nproc(["train", "--nproc", "2", "--steps", "3"]) == ["train", "--steps", "3"]
-    assert without_nproc(["train", "--nproc=4", "--plan", "p.toml"]) == ["train", "--plan",
-                                                                         "p.toml"]
+def test_launch_flags_are_dropped_for_the_torchrun_workers():
+    from mxgraph.cli import build_parser, torchrun_command, without_launch_flags
+    assert without_launch_flags(["train", "--nproc", "2", "--steps", "3"]) == \
+        ["train", "--steps", "3"]
+    assert without_launch_flags(["train", "--nproc=4", "--max-restarts", "2", "--rdzv-id=j",
+                                 "--plan", "p.toml"]) == ["train", "--plan", "p.toml"]
+    argv = ["train", "--nproc", "2", "--max-restarts", "3", "--nnodes", "1:2",
+            "--rdzv-endpoint", "h:29400", "--rdzv-id", "job", "--steps", "5"]
+    command = torchrun_command(build_parser().parse_args(argv), argv)
+    launcher = command[command.index("torch.distributed.run") + 1:command.index("mxgraph.cli")]
+    assert launcher == ["--rdzv-backend=c10d", "--rdzv-endpoint=h:29400", "--rdzv-id=job",
+                        "--nnodes=1:2", "--nproc-per-node=2", "--max-restarts=3", "-m"]
+    assert command[command.index("mxgraph.cli") + 1:] == ["train", "--steps", "5"]
+
+
+def test_nnodes_without_an_endpoint_is_a_one_line_error(capsys):
+    from mxgraph.cli import main
+    assert main(["train", "--nproc", "2", "--nnodes", "1:2", "--steps", "1"]) == 2
+    assert "--nnodes 1:2 needs --rdzv-endpoint" in capsys.readouterr().err
 
 
 def test_untraceable_model_names_module_and_line():

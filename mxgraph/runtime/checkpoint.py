@@ -26,6 +26,8 @@ import atexit
 import dataclasses
 import logging
 import os
+import re
+import subprocess
 import threading
 import time
 import uuid
@@ -36,6 +38,7 @@ import torch.distributed as dist
 
 from mxgraph.runtime import checkpoint_disk as disk
 from mxgraph.runtime import saver as saver_mod
+from mxgraph.runtime.checkpoint_match import first_mismatch, mismatch_error, normalized, signature_of
 from mxgraph.runtime.checkpoint_state import apply_rng, apply_training_state, capture_rng, \
     capture_training_state, init_restartable_process_group
 from mxgraph.runtime.shm import COMPLETE, EMPTY, HEADER_SIZE, SHM_DIR, Shard, ShmSlot, \
@@ -112,16 +115,17 @@ class FlashCheckpointer:
         self.distributed = world_size > 1 and dist.is_available() and dist.is_initialized()
         self.restore_info = RestoreInfo()
         self._closed = False
+        self._saver_proc = None  # the saver this process started, if any
         self._last_saver_check = time.monotonic()
         os.makedirs(self.directory, exist_ok=True)
 
         if saver == "process" and self.local_rank == 0:
-            self._ensure_saver(discard_orphans=True)
+            self._ensure_saver()
         # One id per (re)start, agreed by all ranks: a step re-saved after a restart replaces
         # the parts the lost attempt wrote instead of mixing with them.
         box = [uuid.uuid4().hex[:12]]
         if self.distributed:
-            dist.barrier(group=group)  # no rank opens its slots before orphans are gone
+            dist.barrier(group=group)  # every rank opens its slots once the saver is started
             dist.broadcast_object_list(box, src=0, group=group)
         self.incarnation = box[0]
         self.slots = [ShmSlot(slot_path(run_id, rank, i, shm_dir), create=True)
@@ -152,30 +156,33 @@ class FlashCheckpointer:
         return cls(directory, **kwargs)
 
     # -- saver process ------------------------------------------------------------------
-    def _ensure_saver(self, *, discard_orphans: bool) -> None:
+    def _ensure_saver(self) -> None:
+        """Start the node's saver unless one runs. A new saver adopts the snapshots a dead
+        one left in shared memory: they are intact (a slot counts only once its writer
+        marked it complete), so a restart can still restore them from memory."""
         if saver_mod.saver_pid(self.run_id, self.shm_dir) is not None:
             return
         stale = [p for p in list_segments(self.run_id, self.shm_dir) if not p.endswith(".lock")]
-        if discard_orphans and stale:
-            logger.warning("flash checkpoint: the saver of run %s died; discarding %d shared-"
-                           "memory snapshot(s) it owned (restore will use disk)",
-                           self.run_id, len(stale))
-            unlink_segments(self.run_id, self.shm_dir)
+        if stale:
+            logger.warning("flash checkpoint: the saver of run %s is gone; a new one adopts the "
+                           "%d shared-memory slot(s) it left", self.run_id, len(stale))
         log = os.path.join(self.directory, f"saver-{os.uname().nodename}.log")
-        saver_mod.start_saver(run_id=self.run_id, directory=self.directory, keep=self.keep,
-                              fsync=self.fsync, linger_s=self.linger_s, shm_dir=self.shm_dir,
-                              log_path=log)
+        self._saver_proc = saver_mod.start_saver(
+            run_id=self.run_id, directory=self.directory, keep=self.keep, fsync=self.fsync,
+            linger_s=self.linger_s, shm_dir=self.shm_dir, log_path=log)
 
     def _check_saver(self) -> None:
+        """Local rank 0 (the one that starts it) restarts the node's saver if it died; a
+        saver it started that is still importing (no lock yet) counts as alive."""
         now = time.monotonic()
-        if self.saver != "process" or now - self._last_saver_check < 5.0:
+        if self.saver != "process" or self.local_rank != 0 or \
+                now - self._last_saver_check < 5.0:
             return
         self._last_saver_check = now
-        if saver_mod.saver_pid(self.run_id, self.shm_dir) is None:
-            logger.warning("flash checkpoint: the node's saver is gone%s",
-                           "; restarting it" if self.local_rank == 0 else "")
-            if self.local_rank == 0:
-                self._ensure_saver(discard_orphans=False)
+        starting = self._saver_proc is not None and self._saver_proc.poll() is None
+        if not starting and saver_mod.saver_pid(self.run_id, self.shm_dir) is None:
+            logger.warning("flash checkpoint: the node's saver is gone; restarting it")
+            self._ensure_saver()
 
     # -- save ---------------------------------------------------------------------------
     def _pending_persist(self, s: ShmSlot) -> bool:
@@ -245,7 +252,8 @@ class FlashCheckpointer:
         out = []
         for s in self.slots:
             meta, _ = s.read_meta()
-            if meta is not None and meta.rank == self.rank:
+            # at another world size the ranks' parts differ: only disk reshards them
+            if meta is not None and meta.rank == self.rank and meta.world_size == self.world_size:
                 out.append((meta.step, meta.seq, s))
         return sorted(out, key=lambda x: (x[0], x[1]), reverse=True)
 
@@ -308,6 +316,9 @@ class FlashCheckpointer:
         got = None
         if common >= 0:
             slot = next(s for step, _, s in mine if step == common)
+            meta, _ = slot.read_meta()
+            self._check_fits(f"the in-memory snapshot of step {common}", targets, None if meta is None
+                             else {s.key: (tuple(s.shape), s.dtype) for s in meta.specs})
             got = self._read_memory(slot, targets)
             if self._agree_all(got is not None):
                 info.source, info.path = "memory", slot.path
@@ -321,7 +332,7 @@ class FlashCheckpointer:
         step, state = got
         info.step, info.seconds = step, time.perf_counter() - t0
         self._invalidate_after(step)
-        logger.info("flash checkpoint: rank %d restored step %d from %s (%s) in %.3f s",
+        logger.debug("flash checkpoint: rank %d restored step %d from %s (%s) in %.3f s",
                     self.rank, step, info.source, info.path, info.seconds)
         return Restored(step, state, info.source)
 
@@ -353,6 +364,9 @@ class FlashCheckpointer:
                 info.skipped.append((path, bad))
                 continue
             saved = disk.saved_world_size(path)
+            if targets:
+                self._check_fits(f"checkpoint {path}", targets,
+                                 disk.saved_signature(path, source_rank=self.rank % saved))
             info.source, info.path = "disk", path
             info.resharded = saved != self.world_size
             return step, disk.load(path, source_rank=self.rank % saved, targets=targets,
@@ -360,6 +374,21 @@ class FlashCheckpointer:
         if info.skipped:
             logger.warning("flash checkpoint: no usable checkpoint in %s", self.directory)
         return None
+
+    def _check_fits(self, what: str, targets: dict[str, torch.Tensor], saved: dict | None) -> None:
+        """CheckpointMismatchError on every rank when the snapshot `saved` (key -> (shape,
+        dtype); None: unreadable, left to the reader) does not fit some rank's `targets`.
+        Collective, so that no rank loads while another stops."""
+        reason = None
+        if targets and saved is not None:
+            reason = first_mismatch(normalized(saved), signature_of(targets))
+        reasons = [reason]
+        if self.distributed:
+            reasons = [None] * self.world_size
+            dist.all_gather_object(reasons, reason, group=self.group)
+        bad = next(((r, text) for r, text in enumerate(reasons) if text), None)
+        if bad is not None:
+            raise mismatch_error(what, f"rank {bad[0]}: {bad[1]}" if self.distributed else bad[1])
 
     def _invalidate_after(self, step: int) -> None:
         """Forget snapshots newer than the restored step (they belong to a lost future)."""
@@ -400,9 +429,17 @@ class FlashCheckpointer:
             dist.barrier(group=self.group)  # rank 0 committed
         for s in self.slots:
             s.set(closed=1)
+        if self.local_rank == 0:
+            self._close_departed_ranks()
         if self.saver == "process":
             if self.local_rank == 0:  # the saver commits, cleans up and exits
                 deadline = time.monotonic() + timeout_s
+                if self._saver_proc is not None:  # ours: it may not hold its lock yet
+                    try:
+                        self._saver_proc.wait(timeout_s)
+                    except subprocess.TimeoutExpired:
+                        logger.warning("flash checkpoint: the saver did not exit in %.0f s",
+                                       timeout_s)
                 while saver_mod.saver_pid(self.run_id, self.shm_dir) is not None and \
                         time.monotonic() < deadline:
                     time.sleep(0.01)
@@ -410,6 +447,21 @@ class FlashCheckpointer:
             s.close()
         if self.saver != "process":
             self._unlink_own()
+
+    def _close_departed_ranks(self) -> None:
+        """Mark closed the slots on this node of ranks beyond this world (a job that went on
+        with fewer processes after a restart): nobody will close them, and the saver would
+        keep the run's memory for its linger time waiting for them."""
+        for path in list_segments(self.run_id, self.shm_dir):
+            match = re.search(r"-r(\d+)-s\d+$", path)
+            if match is None or int(match.group(1)) < self.world_size:
+                continue
+            try:
+                slot = ShmSlot(path, create=False)
+            except (FileNotFoundError, OSError):
+                continue
+            slot.set(closed=1)
+            slot.close()
 
     def _unlink_own(self) -> None:
         for i in range(len(getattr(self, "slots", []))):

@@ -299,13 +299,7 @@ def load(path: str, *, source_rank: int, same_layout: bool = True,
     names, so a template captured on any rank fits. Sharded tensors are read whole; with
     `same_layout` each `Shard` gets back the saving rank's piece, else the whole tensor.
     """
-    key = snapshot_key(source_rank)
-    template: dict[str, Any] = {key: io.BytesIO()}
-    _quiet(dcp.load, template, checkpoint_id=path, no_dist=True)
-    buf = template[key]
-    buf.seek(0)
-    record = pickle.loads(buf.read())
-    md = FileSystemReader(path).read_metadata()
+    record, md = _record(path, source_rank)
     refs = collect_refs(record["skeleton"])
     targets = targets or {}
     local = f"__rank{source_rank}__/"
@@ -328,6 +322,29 @@ def load(path: str, *, source_rank: int, same_layout: bool = True,
             tensors[ref.key] = _shard_of(tensors[ref.key], ref, md, targets.get(ref.key),
                                          same_layout)
     return unflatten_state(record["skeleton"], tensors)
+
+
+def _record(path: str, source_rank: int) -> tuple[dict, Metadata]:
+    """Saving rank `source_rank`'s record (its skeleton) and the checkpoint's metadata."""
+    key = snapshot_key(source_rank)
+    template: dict[str, Any] = {key: io.BytesIO()}
+    _quiet(dcp.load, template, checkpoint_id=path, no_dist=True)
+    buf = template[key]
+    buf.seek(0)
+    return pickle.loads(buf.read()), FileSystemReader(path).read_metadata()
+
+
+def saved_signature(path: str, *, source_rank: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """key -> (shape, dtype) of what saving rank `source_rank` refers to, read from the
+    metadata only (no tensor is loaded). Shards are left out: their saved shape is the
+    global tensor's, not a rank's piece."""
+    record, md = _record(path, source_rank)
+    out = {}
+    for ref in collect_refs(record["skeleton"]):
+        if not isinstance(ref, ShardRef):
+            smd = md.state_dict_metadata[ref.key]
+            out[ref.key] = (tuple(smd.size), smd.properties.dtype)
+    return out
 
 
 def _shard_of(whole: torch.Tensor, ref: ShardRef, md: Metadata, target: torch.Tensor | None,

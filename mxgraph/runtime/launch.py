@@ -36,7 +36,11 @@ def close_process_group() -> None:
     that no rank tears its connections down while a peer still reads from them, then
     `destroy_process_group`, so that no gloo worker thread or pending work outlives the
     interpreter (at exit they abort the process: "terminate called without an active
-    exception"). Nothing to do without a group."""
+    exception"). Nothing to do without a group. A barrier that fails because a peer is gone
+    is let pass: the process ends either way, and its launcher reports the failure.""" 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer died (the failure torchrun restarts the job for)
+            pass
         dist.destroy_process_group()

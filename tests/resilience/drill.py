@@ -1,0 +1,149 @@
+"""Failure drill: run `mxgraph train` and SIGKILL its workers and its saver along the way.
+
+    result = run_drill(train_args, kills=[Kill("worker", after_checkpoint=5), ...],
+                       run_id="drill-1", seed=0)
+
+Each `Kill` fires once, in order, a random 0-`jitter_s` seconds after the log says the
+checkpoint of step `after_checkpoint` was taken (so at a random step after it): "worker"
+SIGKILLs a random worker of the torchrun agent, "saver" the node's saver process. The
+result holds the exit status, the whole output, the kills done (with the step they
+followed) and the time each restart reported lost. Also a script:
+
+    python tests/resilience/drill.py --steps 200 --nproc 4 -- [more mxgraph train flags]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHECKPOINT = re.compile(r"checkpoint at step (\d+): copied")
+LOST = re.compile(r"restart (\d+) .*resumed at step (\d+) from (\w+).*; ([\d.]+) s of training lost")
+
+
+@dataclasses.dataclass
+class Kill:
+    target: str  # "worker" | "saver"
+    after_checkpoint: int
+
+
+@dataclasses.dataclass
+class DrillResult:
+    returncode: int
+    output: str
+    killed: list[tuple[str, int, int]]  # (target, pid, the checkpoint step it followed)
+    restarts: list[tuple[int, int, str, float]]  # (restart, resumed step, source, lost s)
+    seconds: float
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of `pid` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+            out.append(int(entry))
+    return out
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of live processes whose command line contains `text`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if text in cmdline:
+            found.append(int(entry))
+    return found
+
+
+def _victim(target: str, top: int, run_id: str, rng: random.Random) -> int | None:
+    if target == "saver":
+        pids = processes_mentioning(f"mxgraph.runtime.saver --run-id {run_id} ")
+        return pids[0] if pids else None
+    agents = children(top)
+    workers = [w for a in agents for w in children(a)]
+    return rng.choice(sorted(workers)) if workers else None
+
+
+def run_drill(train_args: list[str], *, kills: list[Kill], run_id: str, seed: int = 0,
+              jitter_s: float = 0.3, timeout_s: float = 600) -> DrillResult:
+    """Run `mxgraph train *train_args` (with MXGRAPH_RUN_ID=run_id), doing `kills`."""
+    rng = random.Random(seed)
+    env = dict(os.environ, MXGRAPH_RUN_ID=run_id, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "mxgraph.cli", "train", *train_args]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines, killed, pending = [], [], list(kills)
+    timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            match = CHECKPOINT.search(line)
+            if not (match and pending and int(match.group(1)) == pending[0].after_checkpoint):
+                continue
+            kill = pending.pop(0)
+            time.sleep(rng.uniform(0, jitter_s))
+            pid = _victim(kill.target, proc.pid, run_id, rng)
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                killed.append((kill.target, pid, kill.after_checkpoint))
+        proc.wait()
+    finally:
+        timer.cancel()
+    output = "".join(lines)
+    restarts = [(int(m.group(1)), int(m.group(2)), m.group(3), float(m.group(4)))
+                for m in LOST.finditer(output)]
+    return DrillResult(proc.returncode, output, killed, restarts, time.perf_counter() - t0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-dir", default="runs/drill")
+    p.add_argument("extra", nargs="*", help="more mxgraph train flags (after --)")
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    points = sorted(rng.sample(range(args.save_every, args.steps - args.save_every,
+                                    args.save_every), 4))
+    kills = [Kill("worker", points[0]), Kill("saver", points[1]), Kill("worker", points[2]),
+             Kill("worker", points[3])]
+    train_args = ["--nproc", str(args.nproc), "--max-restarts", "5", "--steps", str(args.steps),
+                  "--save-every", str(args.save_every), "--checkpoint-dir", args.checkpoint_dir,
+                  "--no-progress", *args.extra]
+    result = run_drill(train_args, kills=kills, run_id=f"drill-{os.getpid()}", seed=args.seed)
+    print(result.output[-3000:])
+    for target, pid, after in result.killed:
+        print(f"killed {target} pid {pid} after the checkpoint of step {after}")
+    for restart, step, source, lost in result.restarts:
+        print(f"restart {restart}: resumed at step {step} from {source}, {lost:.1f} s lost")
+    print(f"exit status {result.returncode}, {result.seconds:.1f} s in all")
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

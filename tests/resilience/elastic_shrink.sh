@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Elastic drill: two "nodes" (two torchrun agents on this machine, 2 workers each) train
+# llama-tiny with --nnodes 1:2; after the checkpoint of step 10 the node that does not host
+# the rendezvous store is SIGKILLed with its workers (its saver is spared: it stands for the
+# surviving node's). The survivor restarts on its own, resumes from disk at 2 processes
+# instead of 4 (dp 4 -> 2) and says so. Usage: bash tests/resilience/elastic_shrink.sh
+set -u
+cd "$(dirname "$0")/../.."
+d=$(mktemp -d); port=$((20000 + RANDOM % 20000))
+args="train --nproc 2 --nnodes 1:2 --rdzv-endpoint 127.0.0.1:$port --rdzv-id el$port --max-restarts 3
+      --save-every 5 --steps 40 --model llama-tiny --batch-size 2 --seq-len 16 --val-batches 1
+      --no-progress --checkpoint-dir $d/ck"
+setsid python -m mxgraph.cli $args > "$d/a.log" 2>&1 & a=$!
+setsid python -m mxgraph.cli $args > "$d/b.log" 2>&1 & b=$!
+until grep -q "checkpoint at step 10" "$d/a.log" "$d/b.log"; do sleep 0.5; done
+store=$(ss -ltnp | grep ":$port " | grep -o "pid=[0-9]*" | head -1 | cut -d= -f2)
+victim=$b; survivor=$a
+if pgrep -P "$b" | grep -qx "$store"; then victim=$a; survivor=$b; fi
+descendants() { for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done; }
+saver=$(pgrep -f "runtime.saver --run-id el$port" | tr '\n' '|'); saver=${saver%|}
+kill -9 "$victim" $(descendants "$victim" | grep -Evx "${saver:-none}")
+echo "killed node $victim at $(date +%T)"
+wait "$survivor"; echo "survivor exit status $?"
+log=$d/a.log; [ "$survivor" = "$b" ] && log=$d/b.log
+grep -E "mxgraph\[|train loss" "$log" | tail -12
