@@ -4,7 +4,11 @@ For each state size (GB of fp32 tensors in 64 MB pieces) it measures the time th
 is blocked by one save with
   floor            a plain copy into pre-allocated, already-faulted /dev/shm
   mxgraph          FlashCheckpointer.save, saver process (cold = first use of a slot,
-                   warm = slot reused; persist = warm save that also asks for a disk write)
+                   warm = slot reused; persist = warm save that also asks for a disk write;
+                   background = save(background=True), as mxgraph train saves: the copy
+                   runs in a thread while this thread computes for as long as a warm copy
+                   takes (the next step's forward and backward), then wait_copied() - the
+                   optimizer's fence; blocking in all = the two waits)
   torch.save       to a file (page cache), and with fsync (durable, as a checkpoint must be)
   dcp.save         torch.distributed.checkpoint.save
   dcp.async_save   thread and process checkpointers, default staging
@@ -72,6 +76,14 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def compute(seconds: float) -> None:
+    """Keep this thread busy with matrix products for `seconds` (a training step's work)."""
+    a = torch.randn(256, 256)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        a = torch.tanh(a @ a)
+
+
 def bench_floor(state: dict) -> float:
     tensors = list(state["model"].values())
     total = sum(t.numel() * 4 for t in tensors)
@@ -105,6 +117,13 @@ def bench_mxgraph(state: dict, root: str) -> dict:
     out["mxgraph reserve (once, before training)"] = ck.reserve(state)
     out["mxgraph first save after reserve"] = ck.save(2, state, persist=False).blocking_s
     out["mxgraph warm"] = ck.save(3, state, persist=False).blocking_s
+    busy_s = out["mxgraph warm"]
+    res = ck.save(3, state, persist=False, background=True)
+    compute(busy_s)  # the next step's forward and backward, as long as a copy
+    waited = ck.wait_copied()
+    out["mxgraph background: save returns"] = res.blocking_s
+    out["mxgraph background: wait after a step as long as a copy"] = waited
+    out["mxgraph background: blocking in all"] = res.blocking_s + waited
     while saver.saver_pid(run_id) is None:  # time the disk write, not the saver's start-up
         time.sleep(0.01)
     t0 = time.perf_counter()

@@ -195,6 +195,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         else:  # the norm of the whole model's gradient, over every rank
             step_fn.clip_grad_norm_(1.0)
+        if checkpointer is not None:  # a background save's copy ends before the update
+            checkpointer.wait_copied()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
@@ -207,8 +209,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             log.debug("step %d: dropped by capacity %s", step + 1, dropped)
         bar.set_postfix(postfix)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            result = checkpointer.save(step + 1, _capture(
-                plan, named, optimizer, batches.state_dict(), plan.to_dict()))
+            result = checkpointer.save(step + 1, _capture(  # copied behind the next step
+                plan, named, optimizer, batches.state_dict(), plan.to_dict()), background=True)
             log.info("checkpoint at step %d: %s (%.3f s blocking)", step + 1,
                      result.status, result.blocking_s)
         if profiler is not None:

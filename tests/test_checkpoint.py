@@ -229,3 +229,22 @@ def test_shards_load_whole_at_another_world_size(tmp_path, run_id):
     assert torch.equal(w.local, full[2:])
     assert w.local.data_ptr() == target["model"]["w"].local.data_ptr()  # filled in place
     assert got.state["rank_local"]["data_position"] == 1
+
+
+def test_first_mismatch_names_the_tensor_and_both_shapes():
+    from mxgraph.runtime.checkpoint_match import first_mismatch, normalized, signature_of
+    f32 = torch.float32
+    saved = normalized({"model/a": ((4, 4), f32), "model/b": ((4,), f32), "__rank1__/rank_local/x":
+                        ((2,), torch.uint8), "optimizer/state/0/exp_avg": ((4, 4), f32)})
+    here = signature_of({"model/a": torch.zeros(4, 4), "model/b": torch.zeros(4),
+                         "__rank0__/rank_local/x": torch.zeros(2, dtype=torch.uint8)})
+    assert first_mismatch(saved, here) is None  # optimizer moments: unknown before a step
+    assert first_mismatch(saved, {**here, "model/a": ((2, 4), f32)}) == \
+        "model/a is [4, 4] float32 in the checkpoint but [2, 4] float32 here"
+    assert first_mismatch(saved, {**here, "model/c": ((1,), f32)}) == \
+        "model/c ([1] float32 here) is not in the checkpoint"
+    del here["model/b"]
+    assert first_mismatch(saved, here) == \
+        "the checkpoint has model/b ([4] float32), which this run has not"
+    assert first_mismatch({**saved, "model/a": None}, {**here, "model/b": ((4,), f32),
+                                                       "model/a": ((2, 4), f32)}) is None

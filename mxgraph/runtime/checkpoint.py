@@ -26,7 +26,6 @@ import atexit
 import dataclasses
 import logging
 import os
-import re
 import subprocess
 import threading
 import time
@@ -38,12 +37,13 @@ import torch.distributed as dist
 
 from mxgraph.runtime import checkpoint_disk as disk
 from mxgraph.runtime import saver as saver_mod
+from mxgraph.runtime.checkpoint_copy import BackgroundCopy, copy_into
 from mxgraph.runtime.checkpoint_match import first_mismatch, mismatch_error, normalized, signature_of
 from mxgraph.runtime.checkpoint_state import apply_rng, apply_training_state, capture_rng, \
     capture_training_state, init_restartable_process_group
 from mxgraph.runtime.shm import COMPLETE, EMPTY, HEADER_SIZE, SHM_DIR, Shard, ShmSlot, \
-    SnapshotMeta, flatten_state, layout, list_segments, slot_path, unflatten_state, \
-    unlink_segments
+    SnapshotMeta, close_departed_ranks, flatten_state, layout, list_segments, slot_path, \
+    unflatten_state
 
 logger = logging.getLogger("mxgraph.checkpoint")
 
@@ -116,6 +116,7 @@ class FlashCheckpointer:
         self.restore_info = RestoreInfo()
         self._closed = False
         self._saver_proc = None  # the saver this process started, if any
+        self._copy: BackgroundCopy | None = None  # a background save's copy in flight
         self._last_saver_check = time.monotonic()
         os.makedirs(self.directory, exist_ok=True)
 
@@ -218,9 +219,13 @@ class FlashCheckpointer:
                 return s
         return None
 
-    def save(self, step: int, state: dict, *, persist: bool | None = None) -> SaveResult:
-        """Copy `state` into shared memory; returns once the copy is done."""
+    def save(self, step: int, state: dict, *, persist: bool | None = None,
+             background: bool = False) -> SaveResult:
+        """Copy `state` into shared memory; returns once the copy is done, or with
+        `background=True` once it has started (status "copying"): then call
+        `wait_copied()` before changing any tensor of `state` (the optimizer step)."""
         t0 = time.perf_counter()
+        self.wait_copied()
         if persist is None:
             persist = step % self.persist_every == 0
         persist = persist and self.saver != "none"
@@ -235,17 +240,30 @@ class FlashCheckpointer:
             skeleton, tensors = flatten_state(state, self.rank)
             meta = SnapshotMeta(step, self.seq, self.rank, self.world_size, skeleton,
                                 layout(tensors), self.incarnation)
+            self.seq += 1
+            wake = self._loop.wake.set if persist and self._loop is not None else None
+            if background:  # the copy's thread unlocks the slot
+                self._copy, slot = BackgroundCopy(slot, meta, [t for _, t in tensors],
+                                                  persist=persist, on_done=wake), None
+                return SaveResult("copying", step, time.perf_counter() - t0,
+                                  sum(s.nbytes for s in meta.specs), persist)
             nbytes = slot.write(meta, [t for _, t in tensors], persist=persist,
                                 owner_pid=os.getpid())
-            self.seq += 1
-            if persist and self._loop is not None:
-                self._loop.wake.set()  # the persister thread sleeps otherwise (GIL)
+            if wake is not None:
+                wake()  # the persister thread sleeps otherwise (GIL)
             return SaveResult("copied", step, time.perf_counter() - t0, nbytes, persist)
         except Exception as e:  # noqa: BLE001 - a failed snapshot must not kill training
             logger.exception("flash checkpoint: save of step %d failed", step)
             return SaveResult("failed", step, time.perf_counter() - t0, reason=repr(e))
         finally:
-            slot.unlock()
+            if slot is not None:
+                slot.unlock()
+
+    def wait_copied(self) -> float:
+        """Block until a background save's copy is done (nothing to do without one);
+        returns the seconds waited."""
+        copy, self._copy = self._copy, None
+        return copy.wait() if copy is not None else 0.0
 
     # -- restore ------------------------------------------------------------------------
     def _memory_steps(self) -> list[tuple[int, int, ShmSlot]]:
@@ -294,7 +312,7 @@ class FlashCheckpointer:
                                reason)
                 return None
             views = slot.tensor_views(meta)
-            tensors = {k: _copy_into(targets.get(k), v) for k, v in views.items()}
+            tensors = {k: copy_into(targets.get(k), v) for k, v in views.items()}
             del views
             return meta.step, unflatten_state(meta.skeleton, tensors)
         finally:
@@ -308,6 +326,7 @@ class FlashCheckpointer:
         the live parameters are filled directly (and on a GPU straight from shared memory),
         without allocating a host copy of the state first.
         """
+        self.wait_copied()
         t0 = time.perf_counter()
         targets = self._targets(into)
         info = self.restore_info = RestoreInfo()
@@ -415,6 +434,7 @@ class FlashCheckpointer:
         if self._closed:
             return
         self._closed = True
+        self.wait_copied()
         if self.saver != "none" and not self.wait_persisted(timeout_s):
             logger.warning("flash checkpoint: rank %d: persist still pending at close", self.rank)
         if self.distributed:
@@ -430,7 +450,7 @@ class FlashCheckpointer:
         for s in self.slots:
             s.set(closed=1)
         if self.local_rank == 0:
-            self._close_departed_ranks()
+            close_departed_ranks(self.run_id, self.world_size, self.shm_dir)
         if self.saver == "process":
             if self.local_rank == 0:  # the saver commits, cleans up and exits
                 deadline = time.monotonic() + timeout_s
@@ -448,21 +468,6 @@ class FlashCheckpointer:
         if self.saver != "process":
             self._unlink_own()
 
-    def _close_departed_ranks(self) -> None:
-        """Mark closed the slots on this node of ranks beyond this world (a job that went on
-        with fewer processes after a restart): nobody will close them, and the saver would
-        keep the run's memory for its linger time waiting for them."""
-        for path in list_segments(self.run_id, self.shm_dir):
-            match = re.search(r"-r(\d+)-s\d+$", path)
-            if match is None or int(match.group(1)) < self.world_size:
-                continue
-            try:
-                slot = ShmSlot(path, create=False)
-            except (FileNotFoundError, OSError):
-                continue
-            slot.set(closed=1)
-            slot.close()
-
     def _unlink_own(self) -> None:
         for i in range(len(getattr(self, "slots", []))):
             try:
@@ -479,12 +484,3 @@ def newest_common_step(rows: list[list[int]]) -> int:
     """
     common = set.intersection(*[{s for s in row if s >= 0} for row in rows])
     return max(common) if common else -1
-
-
-def _copy_into(target: torch.Tensor | None, src: torch.Tensor) -> torch.Tensor:
-    """`src` copied into `target` when it fits (same shape and dtype), else a fresh clone."""
-    if target is not None and target.shape == src.shape and target.dtype == src.dtype:
-        with torch.no_grad():
-            target.copy_(src)
-        return target
-    return src.clone()

@@ -336,14 +336,13 @@ def _record(path: str, source_rank: int) -> tuple[dict, Metadata]:
 
 def saved_signature(path: str, *, source_rank: int) -> dict[str, tuple[tuple[int, ...], Any]]:
     """key -> (shape, dtype) of what saving rank `source_rank` refers to, read from the
-    metadata only (no tensor is loaded). Shards are left out: their saved shape is the
+    metadata only (no tensor is loaded). A shard's entry is None: its saved shape is the
     global tensor's, not a rank's piece."""
     record, md = _record(path, source_rank)
     out = {}
     for ref in collect_refs(record["skeleton"]):
-        if not isinstance(ref, ShardRef):
-            smd = md.state_dict_metadata[ref.key]
-            out[ref.key] = (tuple(smd.size), smd.properties.dtype)
+        smd = md.state_dict_metadata[ref.key]
+        out[ref.key] = None if isinstance(ref, ShardRef) else (tuple(smd.size), smd.properties.dtype)
     return out
 
 

@@ -26,7 +26,8 @@ class CheckpointMismatchError(UserError):
     """A checkpoint holds tensors of another model or plan than the run resuming from it."""
 
 
-Signature = dict[str, tuple[tuple[int, ...], torch.dtype]]
+Signature = dict[str, tuple[tuple[int, ...], torch.dtype] | None]
+"""key -> (shape, dtype); None for a shard saved on disk (its whole shape is not a piece's)."""
 
 
 def _plain(key: str) -> str:
@@ -54,12 +55,13 @@ def first_mismatch(saved: Signature, wanted: Signature) -> str | None:
     for key in sorted(wanted):
         if key not in saved:
             return f"{key} ({_shape(*wanted[key])} here) is not in the checkpoint"
-        if saved[key] != wanted[key]:
+        if saved[key] is not None and saved[key] != wanted[key]:  # None: a shard, any piece
             return (f"{key} is {_shape(*saved[key])} in the checkpoint but "
                     f"{_shape(*wanted[key])} here")
     for key in sorted(saved):
         if key not in wanted and key.startswith(_MODEL_PARTS):
-            return f"the checkpoint has {key} ({_shape(*saved[key])}), which this run has not"
+            shape = "a shard" if saved[key] is None else _shape(*saved[key])
+            return f"the checkpoint has {key} ({shape}), which this run has not"
     return None
 
 

@@ -37,7 +37,7 @@ def close_process_group() -> None:
     `destroy_process_group`, so that no gloo worker thread or pending work outlives the
     interpreter (at exit they abort the process: "terminate called without an active
     exception"). Nothing to do without a group. A barrier that fails because a peer is gone
-    is let pass: the process ends either way, and its launcher reports the failure.""" 
+    is let pass: the process ends either way, and its launcher reports the failure."""
     if dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()

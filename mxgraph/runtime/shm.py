@@ -26,6 +26,7 @@ import fcntl
 import mmap
 import os
 import pickle
+import re
 import struct
 import zlib
 from typing import Any
@@ -360,3 +361,19 @@ def unlink_segments(run_id: str, shm_dir: str = SHM_DIR) -> int:
         except FileNotFoundError:
             pass
     return n
+
+
+def close_departed_ranks(run_id: str, world_size: int, shm_dir: str = SHM_DIR) -> None:
+    """Mark closed this node's slots of ranks beyond `world_size` (a job that went on with
+    fewer processes after a restart): nobody will close them, and the saver would keep the
+    run's memory for its linger time waiting for them."""
+    for path in list_segments(run_id, shm_dir):
+        match = re.search(r"-r(\d+)-s\d+$", path)
+        if match is None or int(match.group(1)) < world_size:
+            continue
+        try:
+            slot = ShmSlot(path, create=False)
+        except OSError:  # gone meanwhile
+            continue
+        slot.set(closed=1)
+        slot.close()

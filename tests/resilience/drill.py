@@ -25,7 +25,7 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHECKPOINT = re.compile(r"checkpoint at step (\d+): copied")
+CHECKPOINT = re.compile(r"checkpoint at step (\d+): (copied|copying)")
 LOST = re.compile(r"restart (\d+) .*resumed at step (\d+) from (\w+).*; ([\d.]+) s of training lost")
 
 
