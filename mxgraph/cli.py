@@ -15,6 +15,7 @@ import traceback
 
 import models
 from mxgraph.errors import PlanError, UserError
+from mxgraph.search.cli import add_search_parser
 from mxgraph.train import TrainConfig
 
 USER_ERRORS = (UserError, models.UnknownPresetError)
@@ -61,17 +62,38 @@ def _field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def without_nproc(argv: list[str]) -> list[str]:
-    """The same command line without `--nproc N` / `--nproc=N` (for the torchrun child)."""
+LAUNCH_FLAGS = ("--nproc", "--max-restarts", "--nnodes", "--rdzv-endpoint", "--rdzv-id")
+"""Flags of the launcher (torchrun), not of the training workers it starts."""
+
+
+def without_launch_flags(argv: list[str]) -> list[str]:
+    """The same command line without the launcher's flags (`--nproc N`, `--nproc=N`,
+    `--max-restarts`, ...), for the workers torchrun starts."""
     kept, skip = [], False
     for arg in argv:
-        if skip or arg.startswith("--nproc="):
+        if skip or ("=" in arg and arg.split("=")[0] in LAUNCH_FLAGS):
             skip = False
             continue
-        skip = arg == "--nproc"
+        skip = arg in LAUNCH_FLAGS
         if not skip:
             kept.append(arg)
     return kept
+
+
+def torchrun_command(args, argv: list[str]) -> list[str]:
+    """The torchrun command line that runs `mxgraph train` with `argv` (the launcher's
+    flags removed) under args' process count, restarts and rendezvous."""
+    if args.rdzv_endpoint:
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={args.rdzv_endpoint}",
+                      f"--rdzv-id={args.rdzv_id or 'mxgraph'}", f"--nnodes={args.nnodes}"]
+    elif args.nnodes != "1":
+        raise UserError(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (where the "
+                        f"nodes meet), and the same --rdzv-id on every node")
+    else:
+        rendezvous = ["--standalone"]
+    return [sys.executable, "-m", "torch.distributed.run", *rendezvous,
+            f"--nproc-per-node={args.nproc}", f"--max-restarts={args.max_restarts}",
+            "-m", "mxgraph.cli"] + without_launch_flags(argv)
 
 
 def check_train_inputs(args) -> None:
@@ -95,6 +117,19 @@ def check_train_inputs(args) -> None:
         require_built(plan)
     if args.data:
         check_source(args.data)
+    if args.save_every or args.resume:
+        from mxgraph.train import check_checkpoint_dir
+        check_checkpoint_dir(args.checkpoint_dir)
+    if args.monitor_level not in (0, 1, 2):
+        raise UserError(f"--monitor-level {args.monitor_level} is not a level; use 0 (step "
+                        f"sections), 1 (+ layers and collectives) or 2 (+ ops)")
+    if args.monitor_every < 1:
+        raise UserError(f"--monitor-every {args.monitor_every} must be 1 or more (steps)")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts {args.max_restarts} must be 0 or more")
+    if args.max_restarts and not args.save_every:
+        print("mxgraph: warning: --max-restarts without --save-every N: a restart starts "
+              "again at step 0", file=sys.stderr)
 
 
 def check_model(args) -> None:
@@ -125,12 +160,10 @@ def check_model(args) -> None:
 
 def _train(args) -> int:
     check_train_inputs(args)
-    if args.nproc > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={args.nproc}", "-m", "mxgraph.cli"] + \
-            without_nproc(sys.argv[1:])
-        return subprocess.call(command)
-    from mxgraph.train import train
+    if args.nproc > 1 or args.max_restarts > 0 or args.rdzv_endpoint:
+        return subprocess.call(torchrun_command(args, sys.argv[1:]))
+    from mxgraph.train import log_to_console, train
+    log_to_console()
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     result = train(cfg, progress=not args.no_progress)
@@ -164,7 +197,21 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_dataclass_flags(train, TrainConfig)
     train.add_argument("--nproc", type=int, default=1,
-                       help="processes to start through torchrun (distributed plans)")
+                       help="processes to start through torchrun on this node (distributed plans)")
+    train.add_argument("--max-restarts", type=int, default=0,
+                       help="restarts of the workers after a failure (torchrun's): each restart "
+                            "resumes from the newest snapshot every rank holds in memory, else "
+                            "from the newest committed checkpoint (needs --save-every N)")
+    train.add_argument("--nnodes", default="1",
+                       help="nodes, N or MIN:MAX (elastic: with MIN < MAX the job goes on "
+                            "with fewer nodes when one does not come back, data parallelism "
+                            "shrinking, if the plan leaves dp unset); needs --rdzv-endpoint")
+    train.add_argument("--rdzv-endpoint", default=None,
+                       help="HOST:PORT where the nodes meet (torchrun's c10d rendezvous); "
+                            "default: this node alone")
+    train.add_argument("--rdzv-id", default=None,
+                       help="job id, the same on every node (also names the in-memory "
+                            "snapshots); default: mxgraph")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(run=_train)
     inspect = commands.add_parser("inspect", parents=[debug],
@@ -201,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--diff", nargs=2, metavar=("PASS_A", "PASS_B"),
                          help="show which ops two passes' graphs differ in")
     inspect.set_defaults(run=_inspect)
+    add_search_parser(commands, [debug], models)
     parser.description = ("Compile and run PyTorch training steps. Commands: "
                           f"{', '.join(commands.choices)}; 'mxgraph COMMAND --help' for one.")
     return parser

@@ -294,3 +294,55 @@ def plot(stages: list[StageMemory], path, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# ---- saved bytes by layer from a joint graph already compiled (Auto Search) ------------------
+@dataclass
+class SavedByKind:
+    """Saved bytes of one compiled joint graph, by the bucket of the producing layer."""
+
+    device: dict[str, int]
+    host: dict[str, int]
+    """Bytes the offload pass moved to the host."""
+    whole: dict[str, int]
+    """Of `device`, norm outputs and residual-stream adds (not split by TP without SP)."""
+    transient: int
+    """Liveness peak minus resident inputs minus saved bytes: one micro-batch's working set."""
+
+
+def recompute_math_attention(gm) -> None:
+    """What `flash_attention=True` does to a traced graph (see `_as_flash_attention`)."""
+    _as_flash_attention(gm)
+
+
+def saved_by_layer(gm, kind_of) -> SavedByKind:
+    """Attribute the saved values of `gm` (a joint graph after the joint passes, sharded
+    or not) to `kind_of(layer, module)` of the node that produced each one (its
+    `meta["custom"]`; a node the passes added takes its first input's). A value a layer
+    saves of its input counts for the layer that produced it: over a stack of equal layers
+    that is the same bytes per layer as the trace differences of
+    `trace_layer_activations`, from one compile. No graph is changed."""
+    hints = size_hints(gm)
+    device, host = saved_roots(gm)
+    replicated = set().union(*norm_units(Graph(gm)), set())
+    out = SavedByKind({}, {}, {}, 0)
+    for nodes, bucket in ((device, out.device), (host, out.host)):
+        for node in nodes:
+            kind = kind_of(*_layer_of(node))
+            bucket[kind] = bucket.get(kind, 0) + node_bytes(node, hints)
+            if bucket is out.device and (node in replicated or _is_residual(node)):
+                out.whole[kind] = out.whole.get(kind, 0) + node_bytes(node, hints)
+    peak, resident = estimate_peak(gm)
+    out.transient = max(0, peak - resident - sum(out.device.values()))
+    return out
+
+
+def _layer_of(node) -> tuple[int | None, str]:
+    seen = 0
+    while node is not None and seen < 8:
+        custom = node.meta.get("custom") or {}
+        if "layer" in custom or "module" in custom:
+            return custom.get("layer"), custom.get("module", "")
+        node = node.all_input_nodes[0] if node.all_input_nodes else None
+        seen += 1
+    return None, ""

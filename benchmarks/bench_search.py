@@ -1,0 +1,421 @@
+"""Auto Search checked against measured runs: predicted vs measured step time and memory.
+
+Setting (the issue's): 4 gloo ranks in a private network namespace whose loopback is
+rate-limited to `--rate` (1gbit) with tc tbf (../shared/tools/shaped-link), one OpenMP
+thread per rank (torchrun's default), llama-20m and moe-20m (routed experts as one grouped
+GEMM, `expert_impl=grouped_mm`, the form the search traces), global batch `--global-batch`
+sequences of `--seq-len` tokens, float32 (what `mxgraph train` runs on the CPU).
+
+Steps (each can be skipped; results of earlier steps are read back from `--out`):
+1. **measure** - every plan of PLANS runs `mxgraph train` (torchrun, 4 ranks, the shaped
+   link) for `--steps` steps with `--batch-size` = global batch / dp. A wrapper around
+   the command line (`--worker`) listens to every optimizer step through torch's global
+   optimizer hooks: step time = the median interval between consecutive `optimizer.step()`
+   ends after `--warmup` steps, the slowest rank's median; one step (the last but one) is
+   profiled for memory and left out of the timing. Peak memory per rank = the bytes of
+   every live tensor at that step's start (a `gc` walk over tensors: parameters, optimizer
+   state, buffers, unique storages, gradients left out as `zero_grad` frees them) plus the
+   peak of the CPU allocator's running total during the step (torch.profiler
+   `profile_memory`, "Total Allocated" of its [memory] events, relative to the step's
+   start); the JSON keeps both parts. The worst rank is compared.
+2. **calibrate** - `mxgraph search --calibrate cpu --nproc 4` on the same shaped link
+   writes the device TOML (GEMM, attention, elementwise and collective timings).
+3. **predict** - `mxgraph search --evaluate PLAN --device <calibrated TOML> --json` for
+   every measured plan; Spearman rank correlation of step times, median absolute step-time
+   error, memory error, and the top-1 of `mxgraph search` for the same setting against the
+   best measured plan (the top-1 is run with `mxgraph train` too when it is not among the
+   measured plans).
+4. **scale** - the time `mxgraph search` takes for DeepSeek-V3 671B on 1024 H800s, and
+   predicted vs published throughput for a few published layouts (PUBLISHED).
+
+    python benchmarks/bench_search.py [--skip measure,calibrate,predict,scale]
+        [--rate 1gbit] [--steps 8] [--global-batch 8] [--seq-len 128]
+        [--out bench_results/search.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import gzip
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPED_LINK = ROOT.parent / "shared" / "tools" / "shaped-link"
+NPROC = 4
+MOE_CONFIG = "expert_impl=grouped_mm"
+PLANS: list[tuple[str, str, dict]] = [  # (name, model, Plan fields; mbs: sequences per micro-batch)
+    ("llama dp4", "llama-20m", {"mbs": 2}),
+    ("llama dp4 mbs1", "llama-20m", {"mbs": 1}),
+    ("llama dp4 zero1", "llama-20m", {"zero1": True, "mbs": 2}),
+    ("llama dp4 full", "llama-20m", {"recompute": "full", "mbs": 2}),
+    ("llama tp2 dp2", "llama-20m", {"tp": 2, "mbs": 4}),
+    ("llama tp2 sp dp2 act", "llama-20m", {"tp": 2, "sequence_parallel": True,
+                                               "recompute": "norm,act", "mbs": 4}),
+    ("llama tp2 pp2 1f1b", "llama-20m", {"tp": 2, "pp": 2, "schedule": "1f1b", "mbs": 2}),
+    ("llama pp2 dp2 1f1b", "llama-20m", {"pp": 2, "schedule": "1f1b", "mbs": 1}),
+    ("llama pp4 1f1b", "llama-20m", {"pp": 4, "schedule": "1f1b", "mbs": 1}),
+    ("llama pp4 zbh1", "llama-20m", {"pp": 4, "schedule": "zbh1", "mbs": 1}),
+    ("moe dp4", "moe-20m", {"mbs": 2}),
+    ("moe ep4", "moe-20m", {"ep": 4, "mbs": 2}),
+    ("moe ep2", "moe-20m", {"ep": 2, "mbs": 2}),
+    ("moe ep4 zero1", "moe-20m", {"ep": 4, "zero1": True, "mbs": 2}),
+    ("moe ep4 moe_full", "moe-20m", {"ep": 4, "recompute": "moe_full", "mbs": 2}),
+    ("moe pp2 ep2 1f1b", "moe-20m", {"pp": 2, "ep": 2, "schedule": "1f1b", "mbs": 1}),
+    ("moe tp2 ep2", "moe-20m", {"tp": 2, "ep": 2, "mbs": 4}),
+]
+
+
+def plan_fields(fields: dict, global_batch: int) -> tuple[dict, int]:
+    """(Plan fields with micro_batches, per-dp-rank batch) for a PLANS entry."""
+    fields = dict(fields)
+    mbs = fields.pop("mbs")
+    dp = NPROC // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))
+    local = global_batch // dp
+    return {**fields, "micro_batches": local // mbs}, local
+
+
+# ---- step 1: the ranks -------------------------------------------------------------------
+def live_tensor_bytes() -> int:
+    """Bytes of every live CPU tensor's storage (each storage once), gradients excluded."""
+    import torch
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    grads = set()
+    for t in tensors:
+        if isinstance(t, torch.nn.Parameter) and t.grad is not None:
+            grads.add(_storage_key(t.grad))
+    seen, total = set(), 0
+    for t in tensors:
+        key = _storage_key(t)
+        if key is None or key in seen or key in grads:
+            continue
+        seen.add(key)
+        total += key[1]
+    return total
+
+
+def _storage_key(t):
+    try:
+        if t.device.type != "cpu" or type(t).__name__ == "FakeTensor":
+            return None
+        storage = t.untyped_storage()
+        return (storage.data_ptr(), storage.nbytes())
+    except Exception:  # noqa: BLE001 - fake, functional or storage-less tensors
+        return None
+
+
+def trace_peak(path: Path) -> int:
+    """Peak of the CPU allocator's running total in a profiler trace, relative to its start."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    totals = [(e["ts"], e["args"]["Total Allocated"], e["args"].get("Bytes", 0))
+              for e in events if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
+    if not totals:
+        return 0
+    totals.sort()
+    start = totals[0][1] - totals[0][2]
+    return max(0, max(t for _, t, _ in totals) - start)
+
+
+def worker(out: str, steps: int, warmup: int, train_argv: list[str]) -> int:
+    """Run `mxgraph train` with optimizer hooks that time every step and profile one."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from mxgraph.cli import main as cli_main
+    rank = int(os.environ.get("RANK", "0"))
+    ends: list[float] = []
+    memory: dict = {}
+    profiled = steps - 2  # the step after this one's end is profiled
+    state = {}
+
+    def hook(optimizer, args, kwargs):
+        ends.append(time.perf_counter())
+        if len(ends) == profiled:
+            memory["state_bytes"] = live_tensor_bytes()
+            state["prof"] = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+            state["prof"].start()
+        elif len(ends) == profiled + 1 and "prof" in state:
+            state["prof"].stop()
+            path = Path(tempfile.mkdtemp()) / "trace.json"
+            state["prof"].export_chrome_trace(str(path))
+            memory["step_peak_bytes"] = trace_peak(path)
+            ends.append(time.perf_counter())  # the export is not the next step's time
+    register_optimizer_step_post_hook(hook)
+    code = cli_main(["train", *train_argv])
+    intervals = [b - a for a, b in itertools.pairwise(ends)]
+    skip = {profiled - 1, profiled}  # the profiled step and the export
+    timed = [d for i, d in enumerate(intervals) if i >= warmup - 1 and i not in skip]
+    result = {"rank": rank, "code": code, "intervals": intervals,
+              "step_s": statistics.median(timed) if timed else None, **memory}
+    result["peak_bytes"] = memory.get("state_bytes", 0) + memory.get("step_peak_bytes", 0)
+    Path(f"{out}.rank{rank}").write_text(json.dumps(result))
+    return code
+
+
+def measure_one(args, name: str, model: str, fields: dict, workdir: Path) -> dict:
+    """Run one plan with `mxgraph train` on the shaped link; the worst rank's numbers."""
+    from mxgraph.plan import Plan
+    fields, local = plan_fields(fields, args.global_batch)
+    plan_path = workdir / (name.replace(" ", "_") + ".toml")
+    plan_path.write_text(Plan(**fields).to_toml())
+    out = workdir / (name.replace(" ", "_") + ".json")
+    train_argv = ["--model", model, "--plan", str(plan_path), "--steps", str(args.steps),
+                  "--batch-size", str(local), "--seq-len", str(args.seq_len), "--warmup", "1",
+                  "--val-batches", "1", "--no-progress"]
+    if model.startswith("moe"):
+        train_argv += ["--model-config", MOE_CONFIG]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={NPROC}", __file__, "--worker", str(out), "--steps",
+               str(args.steps), "--warmup", str(args.warmup), "--", *train_argv]
+    command = [str(SHAPED_LINK), args.rate, "--"] + command
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    started = time.perf_counter()
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    ranks = []
+    for r in range(NPROC):
+        path = Path(f"{out}.rank{r}")
+        if path.exists():
+            ranks.append(json.loads(path.read_text()))
+    row = {"name": name, "model": model, "plan": fields, "plan_path": str(plan_path),
+           "batch_per_dp_rank": local, "wall_s": round(time.perf_counter() - started, 1)}
+    if proc.returncode or len(ranks) < NPROC or any(r["step_s"] is None for r in ranks):
+        row["error"] = (proc.stderr or proc.stdout)[-2000:]
+        return row
+    row["step_s"] = max(r["step_s"] for r in ranks)
+    row["peak_bytes"] = max(r["peak_bytes"] for r in ranks)
+    row["ranks"] = ranks
+    return row
+
+
+def measure(args, results: dict) -> None:
+    workdir = Path(args.out).parent / "search_plans"
+    workdir.mkdir(parents=True, exist_ok=True)
+    done = {r["name"]: r for r in results.get("measured", []) if "error" not in r}
+    rows = []
+    for name, model, fields in PLANS:
+        if name in done and not args.remeasure:
+            rows.append(done[name])
+            continue
+        row = measure_one(args, name, model, fields, workdir)
+        rows.append(row)
+        print(f"measured {name}: " + (f"{row['step_s']:.3f} s/step, peak "
+                                      f"{row['peak_bytes'] / 2**20:.0f} MiB"
+                                      if "error" not in row else "FAILED " + row["error"][-300:]),
+              f"({row['wall_s']} s)", flush=True)
+        results["measured"] = rows + [done[n] for n, _, _ in PLANS if n in done and
+                                      n not in {r['name'] for r in rows}]
+        save(args, results)
+    results["measured"] = rows
+
+
+def save(args, results: dict) -> None:
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+# (what, model, device, gpus, global batch, seq, Plan fields, mbs, tokens/s/GPU, source). Gradient
+# buckets: Megatron-Core's default, max(40M, 1M x dp) parameters (bf16: 2 MB x dp), as neither
+# report gives its own; the MFU printed is 3 x the traced forward FLOPs (attention as traced,
+# recompute not counted) / (step time x GPUs x dense bf16 peak).
+PUBLISHED = [
+    ("DeepSeek-V3 pre-training", "deepseek-v3-671b", "h800", 2048, 15360, 4096,
+     {"pp": 16, "ep": 64, "zero1": True, "schedule": "dualpipev", "vpp": 2, "micro_batches": 60,
+      "overlap": True, "a2a_overlap": True, "bucket_mb": 2 * 128 / 1.048576}, 1,
+     1e12 / (180e3 * 3600), ("DeepSeek-V3 report: 180K H800 GPU hours per trillion tokens "
+                             "(tokens, no FLOP convention needed); layout PP16 EP64 ZeRO-1 "
+                             "DualPipe, all-to-all and DP reduction overlapped, from the report "
+                             "(its FP8 GEMMs, node-limited routing and recompute are not "
+                             "modelled)")),
+    ("Llama 2 7B pre-training", "llama2-7b", "a100-80gb", 1024, 1024, 4096,
+     {"zero1": True, "micro_batches": 1, "overlap": True, "bucket_mb": 2 * 1024 / 1.048576}, 1,
+     2e12 / (184320 * 3600),
+     ("Llama 2 paper: 184,320 A100-80GB GPU hours for 2T tokens (tokens); layout not "
+      "published: dp + ZeRO-1 with overlapped gradient buckets assumed, 4M-token batch as "
+      "published")),
+]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+
+
+def _setting(model: str, device, args):
+    import dataclasses
+
+    import models
+    from mxgraph.search.predict import Setting
+    config = models.preset_config(model)
+    if model.startswith("moe"):
+        config = dataclasses.replace(config, expert_impl="grouped_mm")
+    return Setting(config, device, NPROC, args.global_batch, args.seq_len, models)
+
+
+def later_steps(args, results: dict, skip: set) -> None:
+    """Steps 2-4 (calibrate, predict, scale)."""
+    device_path = Path(args.out).parent / "cpu_calibrated.toml"
+    if "calibrate" not in skip:
+        command = [str(SHAPED_LINK), args.rate, "--", sys.executable, "-m", "mxgraph.cli",
+                   "search", "--calibrate", "cpu", "--nproc", str(NPROC), "--out",
+                   str(device_path)]
+        started = time.perf_counter()
+        subprocess.run(command, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        results["calibration"] = {"path": str(device_path),
+                                  "seconds": round(time.perf_counter() - started, 1)}
+        save(args, results)
+    if "predict" not in skip:
+        predict_step(args, results, device_path)
+        save(args, results)
+    if "scale" not in skip:
+        scale_step(args, results)
+
+
+def predict_step(args, results: dict, device_path: Path) -> None:
+    from mxgraph.plan import Plan
+    from mxgraph.search.cli import evaluate
+    from mxgraph.search.device import load_device
+    from mxgraph.search.enumerate import search
+    device = load_device(str(device_path))
+    settings = {}
+    rows = [r for r in results.get("measured", []) if "error" not in r]
+    for row in rows:
+        setting = settings.setdefault(row["model"], _setting(row["model"], device, args))
+        p = evaluate(setting, Plan.from_toml(row["plan_path"]), row["plan_path"])
+        row["predicted"] = p.to_json()
+        row["step_error"] = p.step_s / row["step_s"] - 1
+        row["memory_error"] = p.peak_memory_gib * 2 ** 30 / row["peak_bytes"] - 1
+    measured = [r["step_s"] for r in rows]
+    predicted = [r["predicted"]["step_s"] for r in rows]
+    summary = {"plans": len(rows), "spearman": spearman(measured, predicted),
+               "median_abs_step_error": statistics.median(abs(r["step_error"]) for r in rows),
+               "median_abs_memory_error": statistics.median(abs(r["memory_error"])
+                                                            for r in rows),
+               "max_abs_memory_error": max(abs(r["memory_error"]) for r in rows)}
+    top = {}
+    for model in sorted({r["model"] for r in rows}):
+        started = time.perf_counter()
+        best = search(settings[model], top_k=1).best[0]
+        mine = [r for r in rows if r["model"] == model]
+        best_measured = min(mine, key=lambda r: r["step_s"])
+        same = [r for r in mine if _same(r, best)]
+        top[model] = {"top1": best.to_json(), "search_s": round(time.perf_counter() - started, 1),
+                      "best_measured": best_measured["name"],
+                      "best_measured_step_s": best_measured["step_s"],
+                      "top1_measured_step_s": same[0]["step_s"] if same else None}
+        if same:
+            top[model]["top1_vs_best"] = same[0]["step_s"] / best_measured["step_s"] - 1
+    summary["top1"] = top
+    results["summary"] = summary
+    print(f"{'plan':<24} {'measured s':>10} {'predicted s':>11} {'error':>7} "
+          f"{'meas MiB':>9} {'pred MiB':>9} {'error':>7}")
+    for r in rows:
+        print(f"{r['name']:<24} {r['step_s']:>10.3f} {r['predicted']['step_s']:>11.3f} "
+              f"{r['step_error']:>7.1%} {r['peak_bytes'] / 2**20:>9.0f} "
+              f"{r['predicted']['peak_memory_gib'] * 1024:>9.0f} {r['memory_error']:>7.1%}")
+    print(json.dumps(summary, indent=1))
+
+
+def _same(row: dict, prediction) -> bool:
+    plan = prediction.plan.to_dict()
+    fields = dict(row["plan"])
+    keys = ("tp", "pp", "ep", "cp", "sequence_parallel", "zero1", "micro_batches", "schedule",
+            "recompute", "offload", "vpp")
+    defaults = {"tp": 1, "pp": 1, "ep": 1, "cp": 1, "sequence_parallel": False, "zero1": False,
+                "micro_batches": 1, "schedule": "1f1b", "recompute": "", "offload": "", "vpp": 1}
+    return all(fields.get(k, defaults[k]) == plan[k] for k in keys)
+
+
+def scale_step(args, results: dict) -> None:
+    """DeepSeek-V3 on 1024 H800s: search time; predicted vs published throughput."""
+    command = [sys.executable, "-m", "mxgraph.cli", "search", "--model", "deepseek-v3-671b",
+               "--gpus", "1024", "--device", "h800", "--global-batch", "4096", "--seq-len",
+               "4096", "--top-k", "5"]
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    results["deepseek_search"] = {"command": " ".join(command[2:]), "code": proc.returncode,
+                                  "wall_s": round(time.perf_counter() - started, 1),
+                                  "output": proc.stdout[-3000:] or proc.stderr[-2000:]}
+    print(proc.stdout[-3000:], proc.stderr[-500:])
+    import dataclasses
+
+    import models
+    from mxgraph.plan import Plan
+    from mxgraph.search.device import load_device
+    from mxgraph.search.predict import Setting, predict
+    published = []
+    for what, model, device, gpus, batch, seq, fields, mbs, tokens, source in PUBLISHED:
+        setting = Setting(models.preset_config(model), load_device(device), gpus, batch, seq,
+                          models)
+        dp = gpus // (fields.get("tp", 1) * fields.get("pp", 1))
+        fields = {**fields, "dp": dp, "micro_batches": batch // dp // mbs}
+        plan_fields = {k: v for k, v in fields.items() if k != "a2a_overlap"}
+        plan = Plan(**plan_fields)
+        if fields.get("a2a_overlap"):
+            plan = dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, a2a_overlap=True))
+        p = predict(setting, plan, mbs)
+        published.append({"what": what, "plan": fields, "published_tokens_per_s_per_gpu": tokens,
+                          "predicted_tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
+                          "predicted_mfu": p.mfu, "peak_memory_gib": p.peak_memory_gib,
+                          "source": source})
+        print(f"{what}: predicted {p.tokens_per_s_per_gpu:.0f} vs published {tokens:.0f} "
+              f"tokens/s/GPU (predicted step {p.step_s:.2f} s, MFU {p.mfu:.1%}, bubble "
+              f"{p.bubble:.1%}, exposed comm {p.exposed_comm_s:.2f} s, peak "
+              f"{p.peak_memory_gib:.0f} GiB)")
+    results["published"] = published
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        split = argv.index("--")
+        own = argparse.ArgumentParser()
+        own.add_argument("--worker")
+        own.add_argument("--steps", type=int)
+        own.add_argument("--warmup", type=int)
+        known = own.parse_args(argv[:split])
+        return worker(known.worker, known.steps, known.warmup, argv[split + 1:])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--skip", default="", help="comma list of steps to skip: measure, "
+                        "calibrate, predict, scale")
+    parser.add_argument("--rate", default="1gbit", help="shaped link rate (tc tbf)")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per measured plan")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="measure plans already in --out again")
+    parser.add_argument("--out", default="bench_results/search.json")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    results = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
+    results["setting"] = {"nproc": NPROC, "rate": args.rate, "global_batch": args.global_batch,
+                          "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup}
+    if "measure" not in skip:
+        measure(args, results)
+        save(args, results)
+    later_steps(args, results, skip)
+    save(args, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

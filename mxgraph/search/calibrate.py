@@ -1,0 +1,230 @@
+"""`mxgraph search --calibrate DEVICE`: measure this machine and write a device TOML.
+
+    mxgraph search --calibrate cpu --nproc 4 --out cpu.toml     # 4 ranks, gloo collectives
+    python -m mxgraph.search.calibrate --name cpu --out cpu.toml --quick   # one process
+
+Every rank runs the same microbenchmarks at the same time (so shared cores and links are
+shared as in training; the numbers kept are the mean over ranks):
+* GEMM: square fp32 (bf16 on cuda) `mm` of several sizes; t = a + FLOPs / rate is fitted
+  by least squares: peak_flops = rate (gemm_efficiency = 1), gemm_half_flops from the
+  intercept beyond the per-op overhead.
+* attention: causal `scaled_dot_product_attention` forward, FLOPs by cost.py's rule, the
+  same fit: attention_efficiency = its rate / peak_flops.
+* memory-bound: `add` of growing tensors, bytes read + written; hbm_bw = the fitted rate.
+* op overhead: the median time of an `add` of one element.
+* collectives (nproc > 1, gloo on the CPU, nccl on cuda): all_reduce, all_gather,
+  reduce_scatter, all_to_all and send/recv, on groups of 2 neighbouring ranks and of all
+  ranks, every group at once, several sizes; one alpha-beta fit per kind and group size
+  (bytes: the full tensor, the comm report's convention) written as `[[collective]]`.
+The default takes about a minute; `--quick` a few seconds (fewer sizes and repeats).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mxgraph.errors import UserError
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+
+
+def calibrate_command(args) -> int:
+    """The CLI's --calibrate: run the measurement (through torchrun for --nproc > 1)."""
+    out = args.out or f"{args.calibrate}.toml"
+    if args.nproc > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={args.nproc}", "-m", "mxgraph.search.calibrate",
+                   "--name", args.calibrate, "--out", out] + (["--quick"] if args.quick else [])
+        code = subprocess.call(command)
+        if code:
+            raise UserError(f"calibration over {args.nproc} ranks failed (status {code}); "
+                            f"see the output above, or calibrate with --nproc 1")
+    else:
+        write_profile(measure(args.calibrate, args.quick), out)
+    print(f"wrote device profile {out}")
+    return 0
+
+
+def _timed(fn, repeats: int, barrier=None) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        if barrier is not None:
+            barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of t = a + b x over (x, t) points; the slope is kept
+    at least half the largest point's t / x (a noisy fit cannot claim an absurd rate)."""
+    xs, ts = [p[0] for p in points], [p[1] for p in points]
+    mx, mt = statistics.fmean(xs), statistics.fmean(ts)
+    var = sum((x - mx) ** 2 for x in xs) or 1.0
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var
+    x_last, t_last = max(points)
+    slope = max(slope, 0.5 * t_last / x_last)  # noise: rate at most 2x the largest size's
+    return max(0.0, mt - slope * mx), slope
+
+
+def measure(name: str, quick: bool = False):
+    """A `DeviceProfile` of this machine (every rank of the job measures; rank 0's view of
+    the mean is returned on every rank)."""
+    import torch
+    import torch.distributed as dist
+
+    from mxgraph.search.device import DeviceProfile
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) \
+        if torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    barrier = dist.barrier if world > 1 else None
+    repeats = 3 if quick else 7
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def run(fn):
+        return _timed(lambda: (fn(), sync()), repeats, barrier)
+
+    one = torch.ones(1, device=device)
+    overhead = run(lambda: one + one)
+    sizes = (64, 256) if quick else (128, 256, 512, 768)
+    gemm = []
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        gemm.append((2.0 * n ** 3, run(lambda a=a: a @ a)))
+    gemm_a, gemm_b = fit(gemm)
+    peak = 1 / gemm_b
+    attention = []
+    for seq in ((64, 128) if quick else (128, 256, 512)):
+        q = torch.randn(1, 4, seq, 64, device=device, dtype=dtype)
+        flops = 2 * 4 * seq * seq * 128 / 2
+        attention.append((flops, run(lambda q=q: torch.nn.functional.scaled_dot_product_attention(
+            q, q, q, is_causal=True))))
+    attn_a, attn_b = fit(attention)
+    memory = []
+    for numel in ((10 ** 4, 10 ** 6) if quick else (10 ** 4, 10 ** 5, 10 ** 6, 4 * 10 ** 6)):
+        x = torch.ones(numel, device=device, dtype=dtype)
+        memory.append((3.0 * numel * x.element_size(), run(lambda x=x: x + x)))
+    mem_a, mem_b = fit(memory)
+    values = [peak, overhead, max(0.0, gemm_a - overhead) * peak, 1 / attn_b / peak,
+              max(0.0, attn_a - overhead) / attn_b, 1 / mem_b, max(0.0, mem_a - overhead) / mem_b]
+    fits = collective_fits(world, device, quick, barrier) if world > 1 else []
+    if world > 1:
+        mean = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(mean)
+        values = (mean / world).tolist()
+    peak, overhead, gemm_half, attn_eff, attn_half, bw, mem_half = values
+    total_memory = _host_memory() if device.type == "cpu" else \
+        torch.cuda.get_device_properties(device).total_memory * world
+    ar = [f for f in fits if f["kind"] == "all_reduce" and f["group_size"] == world]
+    link = (2 * (world - 1) / world) / ar[0]["beta_s_per_byte"] if ar else 1e9
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    return DeviceProfile(
+        name=name, peak_flops=peak, dtype=str(dtype).split(".")[-1],
+        hbm_bytes=total_memory / max(1, world), hbm_bw=bw, gpus_per_node=max(1, world),
+        intra_link="loopback" if device.type == "cpu" else "nvlink", intra_bw=link,
+        intra_latency_s=ar[0]["alpha_s"] / max(1, 2 * (world - 1)) if ar else 1e-5,
+        inter_bw=link, shared_link=device.type == "cpu", comm_efficiency=1.0, host_bw=bw,
+        gemm_efficiency=1.0, gemm_half_flops=gemm_half, attention_efficiency=min(4.0, attn_eff),
+        attention_half_flops=attn_half, memory_efficiency=1.0, memory_half_bytes=mem_half,
+        op_overhead_s=overhead, flash_attention=device.type != "cpu",
+        sources={"all": f"measured by mxgraph search --calibrate {name} on {world} rank(s), "
+                        f"{stamp}{' (quick)' if quick else ''}; see mxgraph/search/calibrate.py"},
+        collective=fits)
+
+
+def _host_memory() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16e9
+
+
+def collective_fits(world: int, device, quick: bool, barrier) -> list[dict]:
+    """Alpha-beta fits per collective kind on groups of 2 and of `world` ranks."""
+    import torch
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    groups = {world: None}
+    if world > 2 and world % 2 == 0:
+        pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]
+        groups[2] = pairs[rank // 2]
+    sizes = (2 ** 16, 2 ** 20) if quick else (2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22)
+    repeats = 3 if quick else 5
+    fits = []
+    for n, group in sorted(groups.items()):
+        for kind in KINDS:
+            points = []
+            for nbytes in sizes:
+                numel = nbytes // 4
+                numel -= numel % n
+                x = torch.ones(numel, device=device)
+                fn = _collective(kind, x, n, group, rank)
+                points.append((numel * 4.0, _timed(fn, repeats, barrier)))
+            times = torch.tensor([t for _, t in points], dtype=torch.float64)
+            dist.all_reduce(times)
+            alpha, beta = fit([(b, t / world) for (b, _), t in zip(points, times.tolist())])
+            fits.append({"kind": kind, "group_size": n, "alpha_s": alpha,
+                         "beta_s_per_byte": beta, "spans_nodes": False})
+    return fits
+
+
+def _collective(kind: str, x, n: int, group, rank: int):
+    import torch
+    import torch.distributed as dist
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x, group=group)
+    if kind == "all_gather":  # bytes: the output (the full tensor)
+        part = x[: x.numel() // n].clone()
+        return lambda: dist.all_gather_into_tensor(x, part, group=group)
+    if kind == "reduce_scatter":
+        out = torch.empty(x.numel() // n, device=x.device)
+        return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+    if kind == "all_to_all":
+        out = torch.empty_like(x)
+        return lambda: dist.all_to_all_single(out, x, group=group)
+    peer = rank + 1 if rank % 2 == 0 else rank - 1  # send: pairs of neighbours
+
+    def exchange():
+        if rank % 2 == 0:
+            dist.send(x, peer)
+        else:
+            dist.recv(x, peer)
+    return exchange
+
+
+def write_profile(profile, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(profile.to_toml())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--name", default="cpu", help="profile name to write")
+    parser.add_argument("--out", default="cpu.toml", help="device TOML to write")
+    parser.add_argument("--quick", action="store_true", help="few sizes and repeats")
+    args = parser.parse_args(argv)
+    profile = measure(args.name, args.quick)
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_profile(profile, args.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Device profiles for Auto Search: what one accelerator and its links can do.
+
+    device = load_device("h800")             # a built-in profile, or the path of a TOML file
+    device.gemm_time(flops=2**31)             # seconds
+    device.collective_time("all_reduce", nbytes=2**26, group_size=8, spans_nodes=False)
+
+A profile is a `DeviceProfile`; a TOML device file holds its fields at the top level (every
+field has a default except `name` and `peak_flops`; units: FLOP/s, bytes, bytes/s, seconds),
+plus optional `[[collective]]` tables of measured alpha-beta fits that `--calibrate`
+writes (`kind`, `group_size`, `alpha_s`, `beta_s_per_byte`, `spans_nodes`).
+
+Time model. A kernel of x FLOPs (x bytes for memory-bound kernels) takes
+`op_overhead_s + (x + half) / (peak * efficiency)`: the rate grows with size as
+`peak * efficiency * x / (x + half)` (the "efficiency curve"; `half` is the size at which
+half the best efficiency is reached), which is a straight line in x, so a calibration fits
+it by least squares. A collective over `n` ranks of `B` bytes (the full tensor, the comm
+report's convention) takes `alpha * steps + factor * B / bandwidth`, where `factor` is the
+ring's wire share (all-reduce 2(n-1)/n, all-gather/reduce-scatter/all-to-all (n-1)/n,
+broadcast/reduce/send 1), `steps` the ring's latency hops (2(n-1) / (n-1); a tree's
+2 log2 n for an all-reduce across nodes; a ring across nodes leaves a node once per node, the
+other hops are intra-node), and the bandwidth that of the link level the
+group spans (intra-node link, or the per-GPU inter-node network), times
+`comm_efficiency`. With `shared_link` (the CPU's loopback: every rank of a node sends
+through one link) the bandwidth is divided by the ranks of a node sending at once.
+Measured `[[collective]]` fits override the model for their kind and group size.
+
+Sources of the built-in numbers are noted beside each; peak FLOP/s, HBM and link figures
+come from the vendors' datasheets, efficiencies from published microbenchmarks (cuBLAS
+GEMM, FlashAttention kernels, STREAM-like copies, nccl-tests bus bandwidth), never from
+end-to-end training throughputs. The `cpu` profile was measured on this machine with
+`mxgraph search --calibrate cpu --nproc 4` (4 gloo ranks on 2 cores, 1 Gbit/s shaped link).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomllib
+
+from mxgraph.errors import UserError
+
+LINK_KINDS = ("nvlink", "metalink", "pcie", "loopback")
+RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+               "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "send": lambda n: 1.0}
+
+
+@dataclass(kw_only=True)
+class CollectiveFit:
+    """A measured alpha-beta fit of one collective kind on one group size."""
+
+    kind: str
+    group_size: int
+    alpha_s: float
+    """Seconds per call at zero bytes."""
+    beta_s_per_byte: float
+    """Seconds per byte of the full tensor (the comm report's volume convention)."""
+    spans_nodes: bool = False
+
+
+@dataclass(kw_only=True)
+class DeviceProfile:
+    """One accelerator kind and its links (see the module docstring for the time model)."""
+
+    name: str
+    """Profile name, shown in tables."""
+    peak_flops: float
+    """Dense bf16/fp16 peak FLOP/s of one device (fp32 for the cpu profile)."""
+    dtype: str = "bfloat16"
+    """Parameter dtype the profile's numbers are for (bfloat16, float16 or float32)."""
+    hbm_bytes: float = 80e9
+    """Device memory in bytes."""
+    usable_memory_fraction: float = 0.92
+    """Share of hbm_bytes a plan may use (the rest: allocator fragmentation, libraries)."""
+    hbm_bw: float = 2.0e12
+    """Device memory bandwidth, bytes/s."""
+    gpus_per_node: int = 8
+    """Devices per node (those joined by the intra-node link)."""
+    intra_link: str = "nvlink"
+    """Intra-node link kind: nvlink, metalink (full mesh), pcie or loopback."""
+    intra_bw: float = 300e9
+    """Intra-node bandwidth per device and direction, bytes/s."""
+    intra_latency_s: float = 3e-6
+    """Latency of one ring step on the intra-node link, seconds."""
+    inter_bw: float = 25e9
+    """Inter-node bandwidth per device and direction (its NIC), bytes/s."""
+    inter_latency_s: float = 8e-6
+    """Latency of one step across nodes, seconds."""
+    shared_link: bool = False
+    """Every rank of a node sends through one link of intra_bw (the CPU's loopback)."""
+    comm_efficiency: float = 0.8
+    """Achieved share of the link bandwidth (nccl-tests bus bandwidth / link)."""
+    host_bw: float = 25e9
+    """Device <-> host bandwidth for activation offload, bytes/s per device."""
+    gemm_efficiency: float = 0.75
+    """Best achieved share of peak_flops for GEMMs (large shapes)."""
+    gemm_half_flops: float = 3e8
+    """FLOPs of a GEMM that reaches half of gemm_efficiency."""
+    attention_efficiency: float = 0.55
+    """Best achieved share of peak_flops for fused attention (forward and backward)."""
+    attention_half_flops: float = 1e9
+    """FLOPs of an attention call that reaches half of attention_efficiency."""
+    memory_efficiency: float = 0.85
+    """Best achieved share of hbm_bw for memory-bound kernels."""
+    memory_half_bytes: float = 1e6
+    """Bytes of a memory-bound kernel that reaches half of memory_efficiency."""
+    op_overhead_s: float = 4e-6
+    """Fixed cost per kernel (launch and framework dispatch), seconds."""
+    step_overhead_s: float = 0.0
+    """Fixed cost per training step outside the kernels (Python, optimizer loop), seconds."""
+    flash_attention: bool = True
+    """Attention is a fused kernel (no S x S matrix saved); False on the CPU for math attention."""
+    sources: dict = field(default_factory=dict)
+    """Field -> where its number comes from."""
+    collective: list = field(default_factory=list)
+    """Measured `CollectiveFit`s (from --calibrate); they override the alpha-beta model."""
+
+    def __post_init__(self):
+        self.collective = [c if isinstance(c, CollectiveFit) else CollectiveFit(**c)
+                           for c in self.collective]
+        if self.intra_link not in LINK_KINDS:
+            raise UserError(f"device {self.name}: intra_link = {self.intra_link!r} is unknown; "
+                            f"choose one of {', '.join(LINK_KINDS)}")
+        for name in ("peak_flops", "hbm_bytes", "hbm_bw", "intra_bw", "inter_bw", "host_bw"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"device {self.name}: {name} must be > 0")
+
+    # ---- kernels -----------------------------------------------------------------------
+    def gemm_time(self, flops: float) -> float:
+        return self.op_overhead_s + (flops + self.gemm_half_flops) / (
+            self.peak_flops * self.gemm_efficiency)
+
+    def attention_time(self, flops: float) -> float:
+        return self.op_overhead_s + (flops + self.attention_half_flops) / (
+            self.peak_flops * self.attention_efficiency)
+
+    def memory_time(self, nbytes: float) -> float:
+        return self.op_overhead_s + (nbytes + self.memory_half_bytes) / (
+            self.hbm_bw * self.memory_efficiency)
+
+    # ---- collectives ---------------------------------------------------------------------
+    def collective_time(self, kind: str, nbytes: float, group_size: int,
+                        spans_nodes: bool, ranks_sending: int | None = None) -> float:
+        """Seconds for one collective of `nbytes` (full tensor) over `group_size` ranks;
+        `ranks_sending`: ranks of one node sending at once (shared links), default all."""
+        if group_size <= 1 and kind != "send":
+            return 0.0
+        fit = self._fit(kind, group_size, spans_nodes)
+        if fit is not None:
+            return fit.alpha_s + fit.beta_s_per_byte * nbytes
+        n = max(group_size, 2)
+        factor = RING_FACTOR.get(kind, RING_FACTOR["all_reduce"])(n)
+        if spans_nodes:  # a ring through the nodes: one hop in gpus_per_node leaves a node
+            bw = self.inter_bw
+            nodes = max(2, math.ceil(n / self.gpus_per_node))
+            if kind == "all_reduce":
+                latency = 2 * math.log2(n) * self.inter_latency_s
+            else:
+                latency = (nodes - 1) * self.inter_latency_s + (n - nodes) * self.intra_latency_s
+            return latency + factor * nbytes / (bw * self.comm_efficiency)
+        bw, alpha = self.intra_bw, self.intra_latency_s
+        steps = {"all_reduce": 2 * (n - 1), "send": 1}.get(kind, n - 1)
+        if self.shared_link:
+            bw /= max(1, ranks_sending or self.gpus_per_node)
+        return alpha * steps + factor * nbytes / (bw * self.comm_efficiency)
+
+    def _fit(self, kind: str, group_size: int, spans_nodes: bool) -> CollectiveFit | None:
+        fits = [c for c in self.collective if c.kind == kind and c.spans_nodes == spans_nodes]
+        if not fits:
+            return None
+        exact = [c for c in fits if c.group_size == group_size]
+        if exact:
+            return exact[0]
+        near = min(fits, key=lambda c: abs(math.log2(c.group_size) - math.log2(max(1, group_size))))
+        scale = RING_FACTOR.get(kind, RING_FACTOR["all_reduce"])(max(group_size, 2)) / \
+            RING_FACTOR.get(kind, RING_FACTOR["all_reduce"])(max(near.group_size, 2))
+        return CollectiveFit(kind=kind, group_size=group_size, alpha_s=near.alpha_s,
+                             beta_s_per_byte=near.beta_s_per_byte * scale,
+                             spans_nodes=spans_nodes)
+
+    # ---- TOML ----------------------------------------------------------------------------
+    def to_toml(self) -> str:
+        """The profile as a TOML device file (what `load_device` reads back)."""
+        lines = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("sources", "collective"):
+                continue
+            lines.append(f"{f.name} = {_toml(value)}")
+        if self.sources:
+            lines.append("\n[sources]")
+            lines += [f"{k} = {_toml(v)}" for k, v in self.sources.items()]
+        for fit in self.collective:
+            lines.append("\n[[collective]]")
+            lines += [f"{k} = {_toml(v)}" for k, v in dataclasses.asdict(fit).items()]
+        return "\n".join(lines) + "\n"
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def load_device(name_or_path: str) -> DeviceProfile:
+    """A built-in profile by name (`BUILTIN`) or a TOML device file; UserError naming the
+    known profiles, the missing field, or the field of the wrong type."""
+    from mxgraph.search.profiles import BUILTIN
+    if name_or_path in BUILTIN:
+        return dataclasses.replace(BUILTIN[name_or_path])
+    path = Path(name_or_path)
+    if not path.suffix == ".toml" and not path.exists():
+        raise UserError(f"--device {name_or_path!r} is neither a built-in profile "
+                        f"({', '.join(BUILTIN)}) nor a TOML device file; pass one of those "
+                        f"names or the path of a .toml file")
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"device file {path} does not exist; pass a built-in profile "
+                        f"({', '.join(BUILTIN)}) or the path of a TOML device file") from None
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(f"device file {path} is not valid TOML: {error}") from None
+    return device_from_dict(data, str(path))
+
+
+def device_from_dict(data: dict, source: str) -> DeviceProfile:
+    """A profile from a TOML document's values; UserError for a missing or unknown field."""
+    fields = {f.name: f for f in dataclasses.fields(DeviceProfile)}
+    for key in data:
+        if key not in fields:
+            raise UserError(f"device file {source}: unknown field {key!r}; device fields: "
+                            f"{', '.join(fields)}")
+    examples = {"name": 'name = "my-gpu"', "peak_flops": "peak_flops = 312e12"}
+    for key, example in examples.items():
+        if key not in data:
+            raise UserError(f"device file {source} misses the field {key!r}; add a line "
+                            f"like {example}")
+    for key, value in data.items():
+        default = fields[key].default
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and (
+                isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserError(f"device file {source}: {key} = {value!r} must be a number")
+    try:
+        return DeviceProfile(**data)
+    except TypeError as error:
+        raise UserError(f"device file {source}: {error}") from None

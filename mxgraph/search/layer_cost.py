@@ -1,0 +1,409 @@
+"""Per-layer costs read from the graphs mxgraph compiles: FLOPs, bytes, collectives, parameters.
+
+    costs = TraceCache(library).layer_costs(config, key)    # one compile per key, cached
+    costs.parts[("moe", "F")].gemm_flops                     # per micro-batch, this rank
+
+A `TraceKey` names what changes the graphs of one layer: tp, sequence parallelism, cp,
+whether experts are split (ep > 1), the recompute and offload policy, the dtype, whether
+attention is fused. One compile per strategy (the key without recompute and offload); a
+policy re-runs only the memory passes and the B/W split on a copy of the strategy's joint
+graph (`trace_policy`: the steps before them do not read the policy; tested equal to a
+compile of its own). For each strategy the model
+is rebuilt with one dense and one MoE layer (one layer of the only kind otherwise) at full
+width on the meta device, turned into fake tensors (`driver.fake_model`) and compiled by
+the driver for rank 0 of a paper mesh through the B/W split (`stop_after="split_bw"`), at
+one sequence of the search's length per micro-batch (`costs.tokens`; callers scale by the
+micro-batch size: every cost here is linear in the batch). Every node of the joint graph
+is attributed to a layer by `meta["custom"]["layer"]` (backward nodes inherit it; outside
+layers: "embed" for the embedding, "head" for the final norm, LM head and loss) and to the
+program that runs it: F, B or W. With one stage, the B program is empty (no activation
+gradient leaves the stage), so the backward nodes that the embedding's weight gradient
+depends on (the chain that carries the gradient down the layers) count as B, the rest as
+W, as a stage boundary would cut them.
+
+Node costs come from `cost.node_cost`, one rule added for the grouped expert GEMMs
+(`mxgraph::grouped_mm`, `grouped_mm_wgrad`: 2 x rows x in x out). MoE models are traced
+with `expert_impl="grouped_mm"` (the same math as a loop over experts, static shapes);
+under ep > 1 the rows a rank receives are data-dependent: nodes whose shapes are, count at
+the balanced share, their upper bound / ep (the traced ep is 2, and the balanced per-rank
+rows do not depend on ep). Collectives come from `comm_graph.graph_entries` per program,
+data-dependent sizes at the balanced share too. Parameters are the joint graph's parameter
+placeholders at their local (sharded) shapes; saved activations are read from the same
+joint graph (`memory_plan.saved_by_layer`). The pre-score extrapolates tp > 2 from the
+traces at tp 1 and 2 (`TraceCache.estimate`).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from mxgraph.comm_graph import graph_entries
+from mxgraph.context import CompileContext
+from mxgraph.cost import node_cost, tensor_meta
+from mxgraph.driver import compile_step, fake_model, paper_mesh, run
+from mxgraph.ir import ATTENTION_OPS, MATMUL_OPS, packet
+from mxgraph.memory_plan import SavedByKind, recompute_math_attention, saved_by_layer
+from mxgraph.passes.pipeline import PIPELINE
+from mxgraph.plan import Plan
+
+PROGRAMS = ("F", "B", "W")
+KINDS = ("dense", "moe", "embed", "head")
+TRACED_EP = 2
+GROUPED = {"grouped_mm", "grouped_mm_wgrad"}
+ATTENTION_BACKWARD = {"_scaled_dot_product_flash_attention_backward",
+                      "_scaled_dot_product_flash_attention_for_cpu_backward",
+                      "_scaled_dot_product_efficient_attention_backward",
+                      "_scaled_dot_product_cudnn_attention_backward"}
+
+
+@dataclass(frozen=True)
+class TraceKey:
+    """What changes one layer's graphs (see module docstring)."""
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    expert_parallel: bool = False
+    recompute: str = ""
+    offload: str = ""
+    dtype: str = "bfloat16"
+    flash_attention: bool = True
+    """Math attention is recomputed in the backward as a fused kernel does
+    (`memory_plan.recompute_math_attention`); False: what the CPU runs."""
+
+
+@dataclass
+class PartCost:
+    """One layer kind's work in one program (F, B or W) for one micro-batch on one rank."""
+
+    gemms: list[float] = field(default_factory=list)
+    """FLOPs of each GEMM call."""
+    attention: list[float] = field(default_factory=list)
+    """FLOPs of each attention call."""
+    memory: list[float] = field(default_factory=list)
+    """Bytes of each other kernel (memory-bound)."""
+    comm: list[tuple[str, str, float]] = field(default_factory=list)
+    """(axis, kind, bytes) of each collective call."""
+
+    @property
+    def flops(self) -> float:
+        return sum(self.gemms) + sum(self.attention)
+
+
+@dataclass
+class LayerCosts:
+    """A key's costs: parts by (layer kind, program), local parameter bytes by kind."""
+
+    key: TraceKey
+    tokens: int
+    """Tokens per micro-batch the costs are for (one sequence; cp: this rank's part)."""
+    parts: dict[tuple[str, str], PartCost]
+    param_bytes: dict[str, float]
+    """Local parameter bytes per layer of a kind ("embed", "head": the whole part)."""
+    expert_param_bytes: dict[str, float]
+    """Of those, the routed experts' bytes, at ep = TRACED_EP when split (scale by it / ep)."""
+    param_tensors: dict[str, int]
+    """Parameter tensors per layer of a kind."""
+    saved: SavedByKind = None
+    """Saved activation bytes per layer of a kind (device, host, norm/residual part) and the
+    transient working set, read from the same joint graph (`memory_plan.saved_by_layer`)."""
+    compile_s: float = 0.0
+
+    def part(self, kind: str, program: str) -> PartCost:
+        return self.parts.get((kind, program), PartCost())
+
+
+def small_config(config, moe_impl: bool = True):
+    """The config with one dense + one MoE layer (one layer when only one kind exists)."""
+    n_dense = getattr(config, "n_dense_layers", None)
+    if n_dense is None:
+        return dataclasses.replace(config, n_layers=1)
+    overrides = {"expert_impl": "grouped_mm"} if moe_impl else {}
+    if n_dense == 0:
+        return dataclasses.replace(config, n_layers=1, **overrides)
+    if n_dense >= config.n_layers:
+        return dataclasses.replace(config, n_layers=1, n_dense_layers=1, **overrides)
+    return dataclasses.replace(config, n_layers=2, n_dense_layers=1, **overrides)
+
+
+def layer_kind(config, layer: int | None, module: str) -> str:
+    if layer is None:
+        return "embed" if module.startswith(("embed", "pos_embed")) else "head"
+    n_dense = getattr(config, "n_dense_layers", None)
+    if n_dense is None or layer < min(n_dense, config.n_layers):
+        return "dense"
+    return "moe"
+
+
+class TraceCache:
+    """Compiles once per (config, key) and keeps the result (repeated layers share it)."""
+
+    def __init__(self, library):
+        self.library = library
+        """The model library (`models`): builds a config on the meta device."""
+        self.costs: dict[tuple, LayerCosts] = {}
+        self.traced: dict[tuple, Traced] = {}
+        self.compiles = 0
+        """Compiles run (one per strategy)."""
+        self.compile_s = 0.0
+
+    def layer_costs(self, config, key: TraceKey, seq_len: int) -> LayerCosts:
+        """Costs of one micro-batch of one `seq_len`-token sequence under `key`: one
+        compile per strategy (the key without recompute and offload); its recompute and
+        offload variants re-run only the memory passes on its joint graph (`trace_policy`)."""
+        cache_key = (repr(config), key, seq_len)
+        if cache_key in self.costs:
+            return self.costs[cache_key]
+        strategy = dataclasses.replace(key, recompute="", offload="")
+        base_key = (repr(config), strategy, seq_len)
+        if base_key not in self.traced:
+            self.costs[base_key], self.traced[base_key] = trace(self.library, config, strategy,
+                                                                seq_len)
+            self.compiles += 1
+            self.compile_s += self.costs[base_key].compile_s
+        if key != strategy:
+            self.costs[cache_key] = trace_policy(self.traced[base_key], key, seq_len)
+            self.compile_s += self.costs[cache_key].compile_s
+        return self.costs[cache_key]
+
+    def estimate(self, config, key: TraceKey, seq_len: int) -> LayerCosts:
+        """`layer_costs`, except that a key with tp > 2 not traced yet is extrapolated from
+        the traces at tp 1 and 2 (`split_by_tp`): the search's pre-score."""
+        if key.tp <= 2 or (repr(config), key, seq_len) in self.costs:
+            return self.layer_costs(config, key, seq_len)
+        cache_key = ("estimate", repr(config), key, seq_len)
+        if cache_key not in self.costs:
+            one = self.layer_costs(config, dataclasses.replace(
+                key, tp=1, sequence_parallel=False), seq_len)
+            two = self.layer_costs(config, dataclasses.replace(key, tp=2), seq_len)
+            self.costs[cache_key] = split_by_tp(one, two, key)
+        return self.costs[cache_key]
+
+
+def split_by_tp(one: LayerCosts, two: LayerCosts, key: TraceKey) -> LayerCosts:
+    """Costs at `key.tp` from those at tp 1 and 2: each amount v(t) = r + s / t, r the
+    replicated part and s the split one (from v(1) = r + s, v(2) = r + s / 2), kernel by
+    kernel where both traces have the same kernels of a class, else the tp-2 kernels scaled
+    by the totals' ratio; collectives as at tp 2 (their bytes are the full tensors')."""
+    tp = key.tp
+
+    def at(v1: float, v2: float) -> float:
+        return max(0.0, (2 * v2 - v1) + 2 * (v1 - v2) / tp)
+
+    def kernels(a: list[float], b: list[float]) -> list[float]:
+        if len(a) == len(b):
+            return [at(x, y) for x, y in zip(a, b)]
+        ratio = at(sum(a), sum(b)) / sum(b) if sum(b) else 1.0
+        return [y * ratio for y in b]
+
+    def per_kind(a: dict, b: dict) -> dict:
+        return {k: at(a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b)}
+    parts = {}
+    for name in set(one.parts) | set(two.parts):
+        p1, p2 = one.part(*name), two.part(*name)
+        parts[name] = PartCost(kernels(p1.gemms, p2.gemms), kernels(p1.attention, p2.attention),
+                               kernels(p1.memory, p2.memory), list(p2.comm))
+    saved = SavedByKind(per_kind(one.saved.device, two.saved.device),
+                        per_kind(one.saved.host, two.saved.host),
+                        per_kind(one.saved.whole, two.saved.whole),
+                        at(one.saved.transient, two.saved.transient))
+    return LayerCosts(key, two.tokens, parts, per_kind(one.param_bytes, two.param_bytes),
+                      per_kind(one.expert_param_bytes, two.expert_param_bytes),
+                      dict(two.param_tensors), saved)
+
+
+@dataclass
+class Traced:
+    """A strategy's compile, kept to derive its recompute/offload variants from."""
+
+    compilation: object
+    before_remat: object
+    """A copy of the joint graph as the memory passes get it."""
+    small: object
+    mesh: object
+
+
+def _plan(key: TraceKey) -> Plan:
+    ep = TRACED_EP if key.expert_parallel else 1
+    return Plan(tp=key.tp, sequence_parallel=key.sequence_parallel, cp=key.cp, ep=ep, dp=ep,
+                recompute=key.recompute, offload=key.offload)
+
+
+def _steps(first: str, last: str):
+    names = [spec.name for spec in PIPELINE]
+    return PIPELINE[names.index(first):names.index(last) + 1]
+
+
+def _copy_joint(joint):
+    """The joint graph with a copy of its fx graph (node meta shared: passes replace it)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(joint.gm.graph, {}))
+    return dataclasses.replace(joint, gm=torch.fx.GraphModule(joint.gm, graph))
+
+
+def trace(library, config, key: TraceKey, seq_len: int) -> tuple[LayerCosts, Traced]:
+    """Compile the small model under `key` and read its costs (module docstring)."""
+    started = time.perf_counter()
+    small = small_config(config)
+    model = library.build_from_config(small, device="meta", dtype=getattr(torch, key.dtype))
+    tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    model, (tokens,) = fake_model(model, (tokens,))
+    plan = _plan(key)
+    mesh = paper_mesh(plan)
+    kept = {}
+    before = _steps("capture", "remat")[-2].name
+    after = {before: lambda c: kept.setdefault("joint", _copy_joint(c.joints[0]))}
+    if key.flash_attention:
+        after["remat"] = lambda c: recompute_math_attention(c.joints[0].gm)
+    compilation = compile_step(model, plan, mesh, CompileContext.for_plan(plan, mesh=mesh),
+                               (tokens, tokens), {}, stop_after="split_bw", after=after)
+    traced = Traced(compilation, kept["joint"], small, mesh)
+    return read_costs(traced, compilation, key, seq_len, started), traced
+
+
+def trace_policy(traced: Traced, key: TraceKey, seq_len: int) -> LayerCosts:
+    """`key`'s costs from the compile of its strategy (the same key without recompute and
+    offload): the memory passes and the B/W split run again on a copy of the joint graph
+    they got, under `key`'s policy (the steps before them do not read it)."""
+    started = time.perf_counter()
+    compilation = copy.copy(traced.compilation)
+    compilation.joints = {0: _copy_joint(traced.before_remat)}
+    compilation.programs = {}
+    plan = _plan(key)
+    ctx = CompileContext.for_plan(plan, mesh=traced.mesh)
+    for spec in _steps("remat", "split_bw"):
+        run(spec, compilation, ctx)
+        if spec.name == "remat" and key.flash_attention:
+            recompute_math_attention(compilation.joints[0].gm)
+    return read_costs(traced, compilation, key, seq_len, started)
+
+
+def read_costs(traced: Traced, compilation, key: TraceKey, seq_len: int,
+               started: float) -> LayerCosts:
+    """Read a compile's costs by layer kind and program (module docstring)."""
+    small, mesh = traced.small, traced.mesh
+    ep = TRACED_EP if key.expert_parallel else 1
+    programs = compilation.programs[0]
+    joint = compilation.joints[0]
+    where = program_of(programs)
+    parts: dict[tuple[str, str], PartCost] = {}
+    for node in joint.gm.graph.nodes:
+        if node.op != "call_function" or node.name not in where:
+            continue
+        custom = node.meta.get("custom") or {}
+        kind = layer_kind(small, custom.get("layer"), custom.get("module", ""))
+        add_node(parts.setdefault((kind, where[node.name]), PartCost()), node, ep)
+    for program_kind, program in programs.all():
+        phase = "forward" if program_kind == "F" else "backward"
+        for entry in graph_entries(program.gm, mesh, phase, lambda upper: upper // ep):
+            kind = layer_kind(small, entry.layer, entry.module)
+            which = where.get(entry.what, program_kind)
+            parts.setdefault((kind, which), PartCost()).comm.append(
+                (entry.axis, entry.kind, float(entry.bytes)))
+    params, experts, tensors = local_params(joint, small)
+    saved = saved_by_layer(joint.gm, lambda layer, module: layer_kind(small, layer, module))
+    return LayerCosts(key, seq_len // key.cp, parts, params, experts, tensors, saved,
+                      time.perf_counter() - started)
+
+
+def program_of(programs) -> dict[str, str]:
+    """Joint node name -> "F", "B" or "W" (module docstring: B inside one stage)."""
+    where = {}
+    for kind, program in programs.all():
+        for node in program.gm.graph.nodes:
+            if node.op == "call_function":
+                where[node.name] = kind
+    if any(v == "B" for v in where.values()):
+        return where
+    grads = {name: node for name, node in programs.param_grads}
+    embed = [node for name, node in grads.items() if name.startswith("embed")]
+    if not embed:
+        return where
+    stack, seen = [embed[0]], set()
+    while stack:  # the chain the embedding's gradient reads, inside W
+        node = stack.pop()
+        if node in seen or where.get(node.name) != "W":
+            continue
+        seen.add(node)
+        stack += node.all_input_nodes
+    for node in seen:
+        if node is not embed[0] and packet(node) is not torch.ops.aten.embedding_dense_backward:
+            where[node.name] = "B"
+    return where
+
+
+def add_node(part: PartCost, node, ep: int) -> None:
+    """Add one node's cost to `part` by shape class (collectives are counted apart)."""
+    name = getattr(node.target, "__name__", "").split(".")[0]
+    namespace = getattr(node.target, "namespace", "")
+    if namespace == "mxgraph" and name in GROUPED:
+        x, other = (a.meta["val"] for a in node.args[:2])
+        flops = 2 * _numel(x.shape) * _int(other.shape[-1])  # rows x in x out
+        part.gemms.append(flops / _share(node, ep))
+        return
+    cost = node_cost(node)
+    if cost.flops == 0 and cost.bytes == 0:
+        return
+    if "collective" in str(node.target) or "_c10d_functional" in str(node.target) or (
+            namespace == "mxgraph" and _is_collective(node)):
+        return
+    share = _share(node, ep)
+    p = packet(node)
+    if p in MATMUL_OPS:
+        part.gemms.append(cost.flops / share)
+    elif p in ATTENTION_OPS or name in ATTENTION_BACKWARD:
+        part.attention.append(cost.flops / share)
+    else:
+        part.memory.append(cost.bytes / share)
+
+
+def _is_collective(node) -> bool:
+    from mxgraph.runtime.collectives import KIND
+    return KIND.get(getattr(node.target, "_name", "").split("::")[-1].split(".")[0]) is not None
+
+
+def _share(node, ep: int) -> int:
+    """ep when the node's shapes are data-dependent (balanced share of the upper bound)."""
+    if ep == 1:
+        return 1
+    values = tensor_meta(node.meta.get("val")) + [
+        v for a in node.all_input_nodes for v in tensor_meta(a.meta.get("val"))]
+    return ep if any(free_unbacked_symbols(v) for v in values) else 1
+
+
+def _int(dim) -> int:
+    from mxgraph.cost import concrete
+    return concrete(dim)
+
+
+def _numel(shape) -> int:
+    total = 1
+    for dim in shape:
+        total *= _int(dim)
+    return total
+
+
+def local_params(joint, config) -> tuple[dict, dict, dict]:
+    """(bytes, routed-expert bytes, tensor count) per layer kind of this rank's parameters."""
+    params: dict[str, float] = {}
+    experts: dict[str, float] = {}
+    tensors: dict[str, int] = {}
+    placeholders = list(joint.gm.graph.find_nodes(op="placeholder"))
+    for node, slot in zip(placeholders, joint.inputs):
+        if slot.kind != "param":
+            continue
+        parts = slot.key.split(".")
+        layer = int(parts[1]) if parts[0] == "layers" else None
+        kind = layer_kind(config, layer, slot.key)
+        value = node.meta["val"]
+        nbytes = _numel(value.shape) * value.element_size()
+        params[kind] = params.get(kind, 0) + nbytes
+        tensors[kind] = tensors.get(kind, 0) + 1
+        if "experts" in parts:
+            experts[kind] = experts.get(kind, 0) + nbytes
+    return params, experts, tensors

@@ -1,0 +1,475 @@
+"""Predict one plan: step time, throughput, MFU, memory per rank, bubble, exposed communication.
+
+    setting = Setting(config, device, gpus=64, global_batch=512, seq_len=4096, library=models)
+    prediction = predict(setting, plan, mbs=1)
+
+Time. Per stage and micro-batch, F, B and W last the sum of their kernels' times under the
+device's roofline (`device.py`: GEMM, attention and memory-bound efficiency curves) plus
+their collectives (tp, cp, ep) timed by the alpha-beta model for the group's span; the
+layers' costs come from the compiled graphs (`layer_cost.py`). Those per-stage costs, with
+the stage-boundary send time, go to `schedules.simulate` for the plan's schedule: the
+pipeline time and bubble are the simulated ones. Then the data-parallel gradient reduction
+(per bucket; reduce-scatter + all-gather under ZeRO-1; hidden behind the last micro-batch's
+backward except its last bucket when `overlap.dp_buckets` is on), the gradient-norm
+all-reduce, and the optimizer (AdamW, memory-bound over this rank's parameters; its shard
+under ZeRO-1). With overlap on, the sequence-parallel gathers/scatters and the expert
+all-to-alls (with `moe.a2a_overlap`) are half hidden behind independent compute (1 - 1/chunks
+with `overlap.tp_chunks`); other in-graph collectives stay exposed.
+
+Memory per pipeline rank: parameters and gradients (local shapes from the graph), AdamW
+state (fp32 m and v, plus an fp32 master copy for non-fp32 parameters; / dp under ZeRO-1,
+experts / dp/ep), saved activations per layer kind read from the same traced joint graph
+(`memory_plan.saved_by_layer`: the plan's own sharding, recompute and offload) times the
+micro-batch size and the micro-batches in flight (the schedule simulator's peak units /
+vpp, as `memory_plan.in_flight`), and the transient working set of one micro-batch. The
+pre-score reads the unsharded graph under the plan's policy instead, split by tp and cp as
+`memory_plan.estimate_memory` does (`activations`).
+
+Schedules with more than 3 pp micro-batches are simulated at 2 pp and 3 pp and extrapolated
+linearly (`pipeline`): the steady state adds the same actions per micro-batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from mxgraph.plan import Plan
+from mxgraph.schedules import Costs, build_schedule, simulate
+from mxgraph.schedules.build import SCHEDULES
+from mxgraph.search.device import DeviceProfile
+from mxgraph.search.layer_cost import TRACED_EP, PartCost, TraceCache, TraceKey
+
+_GiB = 2 ** 30
+
+
+@dataclass
+class Setting:
+    """What a search is for: the model, the device, the job's size."""
+
+    config: object
+    """The model config (a models config dataclass)."""
+    device: DeviceProfile
+    gpus: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    seq_len: int
+    """Tokens per sequence."""
+    library: object
+    """The model library (`models`) to build configs with."""
+    cache: TraceCache = None
+    memory: dict = field(default_factory=dict)
+    flights: dict = field(default_factory=dict)
+    part_times: dict = field(default_factory=dict)
+    schedules: dict = field(default_factory=dict)
+    """Caches (activations, in-flight micro-batches, part times, schedules) of this search."""
+
+    def __post_init__(self):
+        if self.cache is None:
+            self.cache = TraceCache(self.library)
+
+
+@dataclass
+class Prediction:
+    plan: Plan
+    mbs: int
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    peak_memory_gib: float
+    bubble: float
+    exposed_comm_s: float
+    memory_per_rank_gib: list[float]
+
+    def to_json(self) -> dict:
+        return {"plan": self.plan.to_dict(), "micro_batch_size": self.mbs,
+                "step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+                "mfu": self.mfu, "peak_memory_gib": self.peak_memory_gib,
+                "bubble": self.bubble, "exposed_comm_s": self.exposed_comm_s}
+
+
+# ---- mesh geometry -------------------------------------------------------------------------
+def axis_groups(plan: Plan, gpus: int) -> dict[str, tuple[int, int]]:
+    """axis -> (group size, stride in ranks); tp fastest, then cp, ep, edp, pp outermost."""
+    dp = plan.dp or gpus // (plan.tp * plan.pp * plan.cp)
+    tp, cp, ep = plan.tp, plan.cp, plan.ep
+    return {"tp": (tp, 1), "cp": (cp, tp), "ep": (ep, tp * cp), "dp": (dp, tp * cp),
+            "edp": (dp // ep, tp * cp * ep), "dp_cp": (dp * cp, tp),
+            "edp_cp": (dp // ep * cp, tp * ep), "pp": (plan.pp, tp * cp * dp)}
+
+
+def comm_time(setting: Setting, plan: Plan, axis: str, kind: str, nbytes: float) -> float:
+    size, stride = axis_groups(plan, setting.gpus)[axis]
+    spans = size * stride > setting.device.gpus_per_node if kind != "send" else \
+        stride >= setting.device.gpus_per_node
+    sending = min(setting.gpus, setting.device.gpus_per_node)
+    return setting.device.collective_time(kind, nbytes, size if kind != "send" else 2, spans,
+                                          sending)
+
+
+def hidden_share(plan: Plan, axis: str, kind: str) -> float:
+    """Share of a graph collective's time overlapped with compute (module docstring)."""
+    options = plan.overlap
+    if options is None or not options.reorder:
+        return 0.0
+    if axis == "tp" and kind in ("all_gather", "reduce_scatter"):
+        return 1 - 1 / options.tp_chunks if options.tp_chunks > 1 else 0.5
+    if axis == "ep" and kind == "all_to_all" and plan.moe.a2a_overlap:
+        return 0.5
+    return 0.0
+
+
+def part_time(setting: Setting, plan: Plan, costs, kind: str, program: str,
+              mbs: int) -> tuple[float, float]:
+    """(seconds, of which exposed communication) of one part for `mbs` sequences."""
+    part = costs.part(kind, program)
+    cache_key = (id(costs), kind, program, mbs, plan.tp, plan.cp, plan.ep, plan.pp,
+                 plan.dp, repr(plan.overlap), plan.moe.a2a_overlap)
+    if cache_key in setting.part_times:
+        return setting.part_times[cache_key]
+    compute = compute_time(setting.device, part, mbs)
+    comm = 0.0
+    for axis, ckind, nbytes in part.comm:
+        comm += comm_time(setting, plan, axis, ckind, nbytes * mbs) * (
+            1 - hidden_share(plan, axis, ckind))
+    setting.part_times[cache_key] = (compute + comm, comm)
+    return compute + comm, comm
+
+
+def compute_time(device: DeviceProfile, part: PartCost, mbs: int) -> float:
+    """Seconds of a part's kernels for `mbs` sequences (collectives apart)."""
+    return sum(device.gemm_time(f * mbs) for f in part.gemms) + \
+        sum(device.attention_time(f * mbs) for f in part.attention) + \
+        sum(device.memory_time(b * mbs) for b in part.memory)
+
+
+# ---- stages ---------------------------------------------------------------------------------
+def stage_layers(n_layers: int, num_stages: int) -> list[range]:
+    base, extra = divmod(n_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        count = base + (1 if s < extra else 0)
+        out.append(range(start, start + count))
+        start += count
+    return out
+
+
+def schedule_of(plan: Plan, cache: dict | None = None):
+    """The plan's schedule (kept in `cache` by schedule, pp, micro-batches and vpp)."""
+    vpp = None if plan.schedule == "dualpipev" else plan.vpp
+    key = (plan.schedule, plan.pp, plan.micro_batches, vpp)
+    if cache is None or key not in cache:
+        schedule = build_schedule(plan.schedule, plan.pp, plan.micro_batches, vpp)
+        if cache is None:
+            return schedule
+        cache[key] = schedule
+    return cache[key]
+
+
+def check_schedule(plan: Plan) -> None:
+    """PlanError when the schedule's rules (`schedules.build`) refuse the plan's pp,
+    micro-batches and vpp; nothing is built."""
+    if plan.schedule not in SCHEDULES:
+        build_schedule(plan.schedule, plan.pp, plan.micro_batches)  # raises the error
+    default_vpp, check, _ = SCHEDULES[plan.schedule]
+    check(plan.schedule, plan.pp, plan.micro_batches,
+          default_vpp if plan.schedule == "dualpipev" else plan.vpp)
+
+
+def trace_key(setting: Setting, plan: Plan) -> TraceKey:
+    return TraceKey(tp=plan.tp, sequence_parallel=plan.sequence_parallel, cp=plan.cp,
+                    expert_parallel=plan.ep > 1, recompute=plan.recompute, offload=plan.offload,
+                    dtype=setting.device.dtype, flash_attention=setting.device.flash_attention)
+
+
+def kind_counts(config, layers: range) -> dict[str, int]:
+    n_dense = getattr(config, "n_dense_layers", None)
+    if n_dense is None:
+        return {"dense": len(layers), "moe": 0}
+    dense = sum(1 for i in layers if i < n_dense)
+    return {"dense": dense, "moe": len(layers) - dense}
+
+
+def stage_parts(setting: Setting, plan: Plan, num_stages: int) -> list[dict[str, int]]:
+    """Per stage: how many layers of each kind (and the embedding, head) it holds."""
+    config = setting.config
+    stages = []
+    for s, layers in enumerate(stage_layers(config.n_layers, num_stages)):
+        counts = kind_counts(config, layers)
+        counts["embed"] = int(s == 0)
+        counts["head"] = int(s == num_stages - 1)
+        stages.append(counts)
+    return stages
+
+
+# ---- memory ---------------------------------------------------------------------------------
+@dataclass
+class Activations:
+    """Saved bytes of one sequence on this rank: per layer of a kind, on the device and on
+    the host (offload), and the transient working set."""
+
+    device: dict[str, float]
+    host: dict[str, float]
+    transient: float
+
+
+def activations(setting: Setting, plan: Plan, costs, exact: bool) -> Activations:
+    """`exact`: the saved bytes of the plan's own traced (sharded) graph. Otherwise (the
+    pre-score, whose trace has no SP, CP or recompute): those of the unsharded graph under
+    the plan's recompute/offload policy (tp 1, ep 1), split as `memory_plan.estimate_memory`
+    does: / cp, and / tp with SP, else only the part that is not norm outputs or residuals."""
+    key = (exact, costs.key if exact else None, plan.recompute, plan.offload, plan.tp,
+           plan.sequence_parallel, plan.cp)
+    if key in setting.memory:
+        return setting.memory[key]
+    if exact:
+        saved, tp, cp = costs.saved, 1, 1
+    else:
+        saved, tp, cp = policy_costs(setting, plan).saved, plan.tp, plan.cp
+
+    def keep(kind: str) -> float:
+        total = saved.device.get(kind, 0)
+        whole = saved.whole.get(kind, 0) / total if total else 0.0
+        split = 1.0 if tp == 1 else (1 / tp if plan.sequence_parallel else
+                                     whole + (1 - whole) / tp)
+        return split / cp
+    acts = Activations({k: v * keep(k) for k, v in saved.device.items()},
+                       {k: v * keep(k) for k, v in saved.host.items()},
+                       saved.transient / (tp * cp))
+    setting.memory[key] = acts
+    return acts
+
+
+def policy_costs(setting: Setting, plan: Plan):
+    """The unsharded graph's costs under the plan's recompute/offload policy."""
+    key = TraceKey(recompute=plan.recompute, offload=plan.offload, dtype=setting.device.dtype,
+                   flash_attention=setting.device.flash_attention)
+    return setting.cache.layer_costs(setting.config, key, setting.seq_len)
+
+
+def flights(setting: Setting, plan: Plan) -> dict[int, float]:
+    """Micro-batches whose activations a pipeline rank holds at its peak (as
+    `memory_plan.in_flight`: the simulator's peak units / vpp)."""
+    if plan.pp == 1:
+        return {0: 1.0}
+    _, _, peak = unit_pipeline(setting, plan)
+    return {rank: units / plan.vpp for rank, units in peak.items()}
+
+
+def unit_pipeline(setting: Setting, plan: Plan) -> tuple[float, float, dict]:
+    key = ("unit", plan.schedule, plan.pp, plan.micro_batches, plan.vpp)
+    if key not in setting.flights:
+        setting.flights[key] = pipeline(setting, plan, Costs())
+    return setting.flights[key]
+
+
+def pipeline(setting: Setting, plan: Plan, costs: Costs) -> tuple[float, float, dict]:
+    """(time, overall bubble, peak activation units per rank) of the plan's schedule under
+    `costs`. Beyond 3 pp micro-batches it is simulated at 2 pp and 3 pp and extrapolated:
+    after the warm-up each further micro-batch adds the same actions to every rank, so the
+    time and each rank's busy time grow by a constant and the peak stays (tested against
+    the full simulation)."""
+    m, base = plan.micro_batches, plan.pp
+    if m <= 3 * base:
+        timeline = simulate(schedule_of(plan, setting.schedules), costs, check=False)
+        return timeline.total_time, timeline.overall_bubble_ratio, timeline.peak_activations
+    one, two = (simulate(schedule_of(dataclasses.replace(plan, micro_batches=k * base),
+                                     setting.schedules), costs, check=False) for k in (2, 3))
+    extra = (m - 2 * base) / base
+    total = one.total_time + extra * (two.total_time - one.total_time)
+    busy = [one.busy[r] + extra * (two.busy[r] - one.busy[r]) for r in one.busy]
+    return total, sum(total - b for b in busy) / (total * len(busy)), two.peak_activations
+
+
+def local_param_bytes(costs, plan: Plan, kind: str) -> tuple[float, float]:
+    """(all, routed-expert) local parameter bytes of one layer (or part) of `kind`."""
+    experts = costs.expert_param_bytes.get(kind, 0.0)
+    if plan.ep > 1:
+        experts = experts * TRACED_EP / plan.ep
+    return costs.param_bytes.get(kind, 0.0) - costs.expert_param_bytes.get(kind, 0.0) + \
+        experts, experts
+
+
+def rank_memory(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: dict,
+                mbs: int, exact: bool) -> list[dict]:
+    """Per pipeline rank: bytes of params, grads, optimizer, activations, transient."""
+    acts = activations(setting, plan, costs, exact)
+    flight = flights(setting, plan)
+    dp = plan.dp or 1
+    element = {"float32": 4}.get(setting.device.dtype, 2)
+    master = 0 if element == 4 else 4
+    out = []
+    for rank, held in ranks.items():
+        params = experts = per_mb = 0.0
+        for s in held:
+            for kind, n in stages[s].items():
+                p, e = local_param_bytes(costs, plan, kind)
+                params += n * p
+                experts += n * e
+                per_mb += n * acts.device.get(kind, 0.0)
+        elements_dense = (params - experts) / element
+        elements_expert = experts / element
+        shard = (dp, max(1, dp // plan.ep)) if plan.zero1 else (1, 1)
+        optimizer = (8 + master) * (elements_dense / shard[0] + elements_expert / shard[1])
+        out.append({"params": params, "grads": params, "optimizer": optimizer,
+                    "activations": per_mb * mbs * flight.get(rank, 1.0),
+                    "transient": acts.transient * mbs})
+    return out
+
+
+# ---- the prediction -----------------------------------------------------------------------
+def plan_costs(setting: Setting, plan: Plan, exact: bool):
+    """The layer costs a prediction reads (`predict`: the pre-score's key when not exact)."""
+    key = trace_key(setting, plan)
+    if exact:
+        return setting.cache.layer_costs(setting.config, key, setting.seq_len)
+    key = dataclasses.replace(key, sequence_parallel=False, cp=1, recompute="", offload="")
+    return setting.cache.estimate(setting.config, key, setting.seq_len)
+
+
+def peak_memory_gib(setting: Setting, plan: Plan, mbs: int, exact: bool = False) -> float:
+    """The worst pipeline rank's predicted memory (what `predict` reports), alone."""
+    costs = plan_costs(setting, plan, exact)
+    stages = stage_parts(setting, plan, stage_count(plan))
+    ranks = rank_stages(setting, plan)
+    return max(sum(r.values()) for r in rank_memory(setting, plan, costs, stages, ranks, mbs,
+                                                    exact)) / _GiB
+
+
+def stage_count(plan: Plan) -> int:
+    return plan.pp * (2 if plan.schedule == "dualpipev" else plan.vpp)
+
+
+def rank_stages(setting: Setting, plan: Plan) -> dict[int, list[int]]:
+    """Pipeline rank -> the stages it holds (the schedule's placement), cached."""
+    key = ("ranks", plan.schedule, plan.pp, plan.vpp)
+    if key not in setting.flights:
+        small = dataclasses.replace(plan, micro_batches=2 * plan.pp)  # placement only
+        schedule = schedule_of(small, setting.schedules)
+        setting.flights[key] = {r: list(schedule.stages_of(r)) for r in range(plan.pp)}
+    return setting.flights[key]
+
+
+def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = True
+            ) -> Prediction:
+    """Predict one plan with `mbs` sequences per micro-batch (module docstring).
+    `simulate_schedule=False` is the quick pre-score: the rank's busy time scaled by the
+    schedule's bubble under equal costs, the layer costs of (tp, ep) without SP, CP or
+    recompute (tp > 2 extrapolated from tp 1 and 2, `TraceCache.estimate`) plus the
+    recompute's extra time on the unsharded graph / tp, memory as `activations` says."""
+    device, config = setting.device, setting.config
+    exact = simulate_schedule
+    costs = plan_costs(setting, plan, exact)
+    stages = stage_parts(setting, plan, stage_count(plan))
+    per_stage, comm_per_stage = {}, {}
+    for s, counts in enumerate(stages):
+        times, comms = {}, 0.0
+        for program in ("F", "B", "W"):
+            total = 0.0
+            for kind, n in counts.items():
+                if n:
+                    t, c = part_time(setting, plan, costs, kind, program, mbs)
+                    if not exact:  # this rank's share of the sequence, the recompute
+                        t = (t + recompute_delta(setting, plan, kind, program, mbs)) / plan.cp
+                        c = c / plan.cp
+                    total += n * t
+                    comms += n * c
+            times[program] = total
+        offload = offload_seconds(setting, plan, costs, counts, mbs, exact) \
+            if plan.offload else 0.0
+        times["F"] += max(0.0, offload - times["F"])  # transfers overlap the compute
+        times["B"] += max(0.0, offload - times["B"])
+        per_stage[s] = times
+        comm_per_stage[s] = comms
+    ranks = rank_stages(setting, plan)
+    boundary = mbs * costs.tokens * config.dim * (4 if device.dtype == "float32" else 2)
+    if plan.sequence_parallel:
+        boundary /= plan.tp
+    send = comm_time(setting, plan, "pp", "send", boundary) if plan.pp > 1 else 0.0
+    m = plan.micro_batches
+    busy = {r: m * sum(sum(per_stage[s].values()) for s in held) for r, held in ranks.items()}
+    if exact:
+        pipeline_s, bubble, _ = pipeline(setting, plan, Costs(per_stage=per_stage, comm=send))
+    else:
+        _, bubble, _ = unit_pipeline(setting, plan)
+        pipeline_s = max(busy.values()) / max(1e-9, 1 - bubble)
+    memory = rank_memory(setting, plan, costs, stages, ranks, mbs, exact)
+    _dp_s, dp_exposed = dp_reduction(setting, plan, memory, per_stage, ranks)
+    optimizer_s = optimizer_time(setting, plan, memory, costs, stages, ranks)
+    step_s = pipeline_s + dp_exposed + optimizer_s + device.step_overhead_s
+    comm_in_graph = max(m * sum(comm_per_stage[s] for s in held) for held in ranks.values())
+    tokens = setting.global_batch * setting.seq_len
+    model_flops = 3 * setting.global_batch * plan.tp * plan.cp * sum(
+        n * costs.part(kind, "F").flops for counts in stages for kind, n in counts.items())
+    totals = [sum(r.values()) / _GiB for r in memory]
+    return Prediction(plan=plan, mbs=mbs, step_s=step_s,
+                      tokens_per_s_per_gpu=tokens / step_s / setting.gpus,
+                      mfu=model_flops / (step_s * setting.gpus * device.peak_flops),
+                      peak_memory_gib=max(totals), bubble=bubble,
+                      exposed_comm_s=comm_in_graph + dp_exposed + (send * 2 * m if plan.pp > 1
+                                                                    else 0.0),
+                      memory_per_rank_gib=totals)
+
+
+def offload_seconds(setting: Setting, plan: Plan, costs, counts: dict, mbs: int,
+                    exact: bool) -> float:
+    """Seconds to move one micro-batch's offloaded activations of a stage each way."""
+    acts = activations(setting, plan, costs, exact)
+    host = sum(n * acts.host.get(kind, 0.0) for kind, n in counts.items()) * mbs
+    return host / setting.device.host_bw
+
+
+def recompute_delta(setting: Setting, plan: Plan, kind: str, program: str, mbs: int) -> float:
+    """Pre-score: the compute time the plan's recompute adds to one part, on the unsharded
+    graph (tp 1, ep 1), / tp."""
+    if not plan.recompute:
+        return 0.0
+    cache_key = ("recompute", plan.recompute, kind, program, mbs, plan.tp)
+    if cache_key not in setting.part_times:
+        base = setting.cache.layer_costs(setting.config, TraceKey(
+            dtype=setting.device.dtype, flash_attention=setting.device.flash_attention),
+            setting.seq_len)
+        policy = policy_costs(setting, dataclasses.replace(plan, offload=""))
+        delta = compute_time(setting.device, policy.part(kind, program), mbs) - \
+            compute_time(setting.device, base.part(kind, program), mbs)
+        setting.part_times[cache_key] = max(0.0, delta) / plan.tp
+    return setting.part_times[cache_key]
+
+
+def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: dict,
+                 ranks: dict) -> tuple[float, float]:
+    """(seconds, exposed seconds) of the gradient reduction of the busiest pipeline rank."""
+    dp = plan.dp or 1
+    if dp * plan.cp == 1:
+        return 0.0, 0.0
+    grads = max(r["grads"] for r in memory)
+    axis = "dp_cp" if plan.cp > 1 else "dp"
+    bucket = plan.bucket_mb * 2 ** 20
+    buckets = max(1, math.ceil(grads / bucket))
+    kinds = ("reduce_scatter", "all_gather") if plan.zero1 else ("all_reduce",)
+    one = sum(comm_time(setting, plan, axis, kind, min(bucket, grads)) for kind in kinds)
+    total = one * (grads / min(bucket, grads))
+    overlap = plan.overlap
+    if overlap is None or not overlap.dp_buckets:
+        return total, total
+    last_backward = max(sum(per_stage[s]["B"] + per_stage[s]["W"] for s in held)
+                        for held in ranks.values())
+    return total, max(one if buckets > 1 else total, total - last_backward)
+
+
+def optimizer_time(setting: Setting, plan: Plan, memory: list[dict], costs, stages,
+                   ranks) -> float:
+    """AdamW over this rank's (shard of) parameters plus the gradient-norm clip."""
+    device = setting.device
+    worst = max(memory, key=lambda r: r["params"])
+    element = {"float32": 4}.get(device.dtype, 2)
+    elements = worst["optimizer"] / (8 + (0 if element == 4 else 4))
+    tensors = max(sum(stages[s][kind] * costs.param_tensors.get(kind, 0)
+                      for s in held for kind in stages[s]) for held in ranks.values())
+    if plan.zero1:
+        tensors = max(1, tensors // max(1, plan.dp or 1))
+    adam = device.memory_time(elements * (7 * 4 + 2 * element)) + 12 * tensors * device.op_overhead_s
+    clip = device.memory_time(worst["grads"]) + 2 * tensors * device.op_overhead_s
+    norm = device.collective_time("all_reduce", 4, setting.gpus, setting.gpus >
+                                  device.gpus_per_node, min(setting.gpus, device.gpus_per_node))
+    return adam + clip + norm

@@ -1,0 +1,100 @@
+"""Built-in device profiles, each number with its source (`DeviceProfile.sources`).
+
+Peak FLOP/s, memory and link figures: vendor datasheets. Efficiencies: published kernel
+microbenchmarks (large cuBLAS GEMMs, FlashAttention-2/3 forward+backward, STREAM-like
+copies, nccl-tests bus bandwidth), rounded; no number was fitted to an end-to-end training
+throughput (those are used only to check, in benchmarks/bench_search.py). Bandwidths are
+per device and direction: NVLink's "600 GB/s" (A100) is 300 GB/s each way.
+"""
+from __future__ import annotations
+
+from mxgraph.search.device import DeviceProfile
+
+_NCCL = "nccl-tests all_reduce bus bandwidth / link bandwidth, typical of published runs"
+_GEMM = "large bf16 cuBLAS GEMM microbenchmarks (share of dense peak)"
+
+A100 = DeviceProfile(
+    name="a100-80gb", peak_flops=312e12, hbm_bytes=80e9, hbm_bw=2.039e12, gpus_per_node=8,
+    intra_link="nvlink", intra_bw=300e9, intra_latency_s=3e-6, inter_bw=25e9,
+    inter_latency_s=8e-6, comm_efficiency=0.78, host_bw=25e9, gemm_efficiency=0.80,
+    gemm_half_flops=3e8, attention_efficiency=0.60, attention_half_flops=1e9,
+    memory_efficiency=0.85, op_overhead_s=4e-6,
+    sources={
+        "peak_flops": "NVIDIA A100 datasheet: 312 TFLOPS bf16 dense (624 with sparsity)",
+        "hbm": "A100 80GB SXM datasheet: 80 GB HBM2e, 2,039 GB/s",
+        "intra_bw": "NVLink 3: 600 GB/s total per GPU = 300 GB/s per direction",
+        "inter_bw": "DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s",
+        "host_bw": "PCIe 4.0 x16: ~25 GB/s achieved per direction",
+        "gemm_efficiency": _GEMM + ": ~250 of 312 TFLOPS",
+        "attention_efficiency": "FlashAttention-2 paper: 50-70% of peak forward+backward",
+        "memory_efficiency": "STREAM-like device copies: ~1.7 of 2.0 TB/s",
+        "comm_efficiency": _NCCL + " (~230 of 300 GB/s on DGX A100)",
+    })
+
+H100 = DeviceProfile(
+    name="h100-sxm", peak_flops=989e12, hbm_bytes=80e9, hbm_bw=3.35e12, gpus_per_node=8,
+    intra_link="nvlink", intra_bw=450e9, intra_latency_s=3e-6, inter_bw=50e9,
+    inter_latency_s=8e-6, comm_efficiency=0.80, host_bw=50e9, gemm_efficiency=0.70,
+    gemm_half_flops=1e9, attention_efficiency=0.50, attention_half_flops=3e9,
+    memory_efficiency=0.85, op_overhead_s=4e-6,
+    sources={
+        "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1,979 with sparsity)",
+        "hbm": "H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s",
+        "intra_bw": "NVLink 4: 900 GB/s total per GPU = 450 GB/s per direction",
+        "inter_bw": "DGX H100: one 400 Gb/s NDR InfiniBand NIC per GPU = 50 GB/s",
+        "host_bw": "PCIe 5.0 x16: ~50 GB/s per direction",
+        "gemm_efficiency": _GEMM + ": ~650-750 of 989 TFLOPS",
+        "attention_efficiency": "FlashAttention-2 ~35-50%, FlashAttention-3 paper up to 75% "
+                                "of peak; 50% taken",
+        "memory_efficiency": "STREAM-like device copies: ~2.8 of 3.35 TB/s",
+        "comm_efficiency": _NCCL,
+    })
+
+H800 = DeviceProfile(
+    name="h800", peak_flops=989e12, hbm_bytes=80e9, hbm_bw=3.35e12, gpus_per_node=8,
+    intra_link="nvlink", intra_bw=200e9, intra_latency_s=3e-6, inter_bw=50e9,
+    inter_latency_s=8e-6, comm_efficiency=0.80, host_bw=50e9, gemm_efficiency=0.70,
+    gemm_half_flops=1e9, attention_efficiency=0.50, attention_half_flops=3e9,
+    memory_efficiency=0.85, op_overhead_s=4e-6,
+    sources={
+        "peak_flops": "H800 SXM: the H100 SXM compute die, 989 TFLOPS bf16 dense",
+        "hbm": "H800 SXM: 80 GB HBM3, 3.35 TB/s (as H100 SXM)",
+        "intra_bw": "H800 NVLink: 400 GB/s total = 200 GB/s per direction (DeepSeek-V3 "
+                    "report: ~160 GB/s achieved, i.e. comm_efficiency 0.8)",
+        "inter_bw": "DeepSeek-V3 report: 400 Gb/s InfiniBand per GPU (50 GB/s)",
+        "gemm_efficiency": _GEMM + " (as h100-sxm)",
+        "attention_efficiency": "as h100-sxm",
+        "comm_efficiency": "DeepSeek-V3 report: 160 of 200 GB/s NVLink",
+    })
+
+METAX_C500 = DeviceProfile(
+    name="metax-c500", peak_flops=280e12, hbm_bytes=64e9, hbm_bw=1.8e12, gpus_per_node=8,
+    intra_link="metalink", intra_bw=200e9, intra_latency_s=4e-6, inter_bw=25e9,
+    inter_latency_s=10e-6, comm_efficiency=0.75, host_bw=25e9, gemm_efficiency=0.70,
+    gemm_half_flops=3e8, attention_efficiency=0.45, attention_half_flops=1e9,
+    memory_efficiency=0.80, op_overhead_s=6e-6,
+    sources={
+        "peak_flops": "MetaX C500 public product figures: 280 TFLOPS fp16/bf16 dense "
+                      "(not checked against a datasheet in this version: run --calibrate "
+                      "on the device before trusting it)",
+        "hbm": "MetaX C500 public product figures: 64 GB HBM2e, 1.8 TB/s (unverified)",
+        "intra_bw": "MetaXLink: full mesh of 8 cards; per-card bandwidth assumed 200 GB/s "
+                    "per direction (unverified placeholder; --calibrate measures it)",
+        "inter_bw": "assumed one 200 Gb/s NIC per card",
+        "gemm_efficiency": "assumed as A100-class (no published microbenchmark at hand)",
+        "attention_efficiency": "assumed below A100's FlashAttention-2 share",
+    })
+
+CPU = DeviceProfile(
+    name="cpu", peak_flops=1.4e10, dtype="float32", hbm_bytes=22e9 / 4, hbm_bw=5e9,
+    gpus_per_node=4, intra_link="loopback", intra_bw=1.25e8, intra_latency_s=1e-4,
+    inter_bw=1.25e8, inter_latency_s=1e-4, shared_link=True, comm_efficiency=0.85,
+    host_bw=5e9, gemm_efficiency=1.0, gemm_half_flops=2e6, attention_efficiency=0.5,
+    attention_half_flops=4e6, memory_efficiency=1.0, memory_half_bytes=1e5,
+    op_overhead_s=3e-5, flash_attention=False,
+    sources={
+        "all": "placeholder for 4 gloo ranks on 2 cores and a 1 Gbit/s shaped loopback; "
+               "replace with mxgraph search --calibrate cpu --nproc 4 (writes a device TOML)",
+    })
+
+BUILTIN: dict[str, DeviceProfile] = {p.name: p for p in (A100, H100, H800, METAX_C500, CPU)}
