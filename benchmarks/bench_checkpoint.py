@@ -285,9 +285,9 @@ def main(argv: list[str] | None = None) -> int:
 def print_table(gb: float, row: dict) -> None:
     floor = row["floor"]
     print(f"\nstate {gb} GB  (blocking seconds; x = ratio to the floor, {gb / floor:.1f} GB/s)")
-    print(f"  {'case':40s} {'seconds':>9s} {'x floor':>8s}")
+    print(f"  {'case':56s} {'seconds':>9s} {'x floor':>8s}")
     for name, sec in row.items():
-        print(f"  {name:40s} {sec:9.3f} {sec / floor:8.1f}")
+        print(f"  {name:56s} {sec:9.3f} {sec / floor:8.1f}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ class CompileContext:
     mesh: object | None = None
     """This rank's `runtime.mesh.Mesh` (None: one device)."""
     dump_dir: Path | None = None
+    monitor_level: int = 0
+    """The level of the step's slow-node monitor (`Step.set_monitor`): 1 or more makes
+    `monitor_points` give the generated code timing points (`passes/monitor_points.py`)."""
     pass_index: int = 0
     """Number of the next dump entry (shared by forward and joint passes)."""
     records: list[dict] = field(default_factory=list)

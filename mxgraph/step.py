@@ -10,6 +10,7 @@ rank's executor; later calls with that signature only run it.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator, Protocol
 
 import torch
@@ -27,6 +28,7 @@ from mxgraph.runtime.copy_engine import TransferLane
 from mxgraph.runtime.dp_overlap import BucketOverlap
 from mxgraph.runtime.grad_norm import clip_grad_norm_
 from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.monitor import StepMonitor
 from mxgraph.runtime.param_layout import ParamLayout
 from mxgraph.runtime.pipeline import PipelineExecutor, split_microbatches
 
@@ -74,6 +76,10 @@ class TrainingStep(Protocol):
         """One executor per compiled input signature (its stages' programs and joint
         graphs: what the analyses read)."""
 
+    def set_monitor(self, monitor: StepMonitor | None) -> None:
+        """Time the step's sections into the slow-node `monitor` (None: stop); before the
+        first call or `prepare` for level 1 (`Step.set_monitor`)."""
+
     def moe_stats(self) -> dict[str, dict]:
         """What this rank's MoE blocks decided in the last step, by block (the module path
         of its experts): {"dropped": {block: fraction of its (token, choice) rows dropped
@@ -104,6 +110,49 @@ class Step:
         self.bucket_overlaps: dict[int, BucketOverlap] = {}
         """id(executor) -> its bucket reductions during the backward
         (`Plan.overlap.dp_buckets`; runtime/dp_overlap.py)."""
+        self.monitor: StepMonitor | None = None
+        """The slow-node monitor the step times its sections into (`set_monitor`)."""
+
+    def set_monitor(self, monitor: StepMonitor | None) -> None:
+        """Time every later call's sections into `monitor` (`runtime/monitor.py`; None:
+        stop), on the clock of the step's device (`monitor.use_device(mesh.device)`).
+
+        Level 0: "forward_backward" (compute: the F/B/W programs of every action),
+        "grad_sync" (comm: the data-parallel reduction and loss average after the schedule,
+        the sum of tied weights' gradients over pipeline ranks; with
+        `Plan.overlap.dp_buckets` the buckets started during the backward are inside
+        "forward_backward" and "grad_sync" is what stays exposed after it), "pipeline_wait"
+        (wait: P2P receives, the last sends, the loss broadcast; pp > 1), "param_gather"
+        (comm: ZeRO-1's all-gather at the start of the step, without overlap). The loop
+        times "data" and "optimizer" itself (`monitor.section`), gradient clipping
+        included in the latter, and calls `monitor.step()`.
+
+        Level 1 adds timing points to the generated code (`passes/monitor_points.py`):
+        layers ("fwd:layer 3", "bwd:layer 3") and collectives ("all_reduce of layer 3",
+        after "all_reduce of layer 3.wait"), and "grad_sync.wait" before the reduction.
+        So set a level-1 monitor before the first call or `prepare`: for a step already
+        compiled without timing points it raises PlanError (no recompile: compile a new
+        step). A level-0 monitor or None may be set at any time; on code compiled with
+        points they then cost one Python call each and time nothing. Level 2 adds
+        `torch.profiler`'s per-op times (no code change). Every rank sets the same level
+        (level 1's meetings are collectives)."""
+        if monitor is not None and monitor.cfg.level >= 1:
+            bare = [e for e in self._compiled.values() if not e.timing_points]
+            if bare:
+                raise PlanError(
+                    f"set_monitor: a level-{monitor.cfg.level} monitor times layers and "
+                    "collectives through timing points in the generated code, and this step "
+                    "was compiled without them; call set_monitor before the first step or "
+                    "prepare(), or compile a new step")
+        if monitor is not None:
+            monitor.use_device(self.mesh.device)
+        self.monitor = monitor
+        for executor in self._compiled.values():
+            executor.set_monitor(monitor)
+
+    def _timed(self, name: str, kind: str):
+        return contextlib.nullcontext() if self.monitor is None else \
+            self.monitor.section(name, kind)
 
     def parameters(self):
         """The parameters this rank updates, final as soon as `mx.compile` returns: build
@@ -177,8 +226,9 @@ class Step:
             if self.plan.zero1:  # the shards' all-gather overlaps this forward
                 overlap.gather_start()
                 executor.param_needed = overlap.gathered
-        else:
-            self.sync_parameters()
+        elif self.plan.zero1:
+            with self._timed("param_gather", "comm"):
+                self.sync_parameters()
         try:
             loss = executor.step(split_microbatches(flat_inputs(args, kwargs),
                                                     self.plan.micro_batches))
@@ -229,11 +279,14 @@ class Step:
         key = _signature(args, kwargs)
         if key not in self._compiled:
             self._compiled[key] = self._compile(args, kwargs, training=True)
+            self._compiled[key].set_monitor(self.monitor)
 
     def _compile(self, args, kwargs, training: bool) -> PipelineExecutor:
         count = len(self.contexts)
         tag = (f"sig{count}" if count else "") + ("" if training else "_eval")
         ctx = CompileContext.for_plan(self.plan, tag, self.mesh)
+        if training and self.monitor is not None:
+            ctx.monitor_level = self.monitor.cfg.level
         self.contexts.append(ctx)
         compilation = compile_step(self.model, self.plan, self.mesh, ctx, args, kwargs,
                                    self.layouts, training=training)
@@ -253,14 +306,17 @@ class Step:
         dp = self.mesh.sizes["dp"]
         if not self._reduces():
             return loss
-        if overlap is not None:
-            overlap.finish()
-        else:
-            self._data_parallel().reduce()
-        if dp == 1:
-            return loss
-        loss = loss.clone()
-        dist.all_reduce(loss, group=self.mesh.group("dp"))
+        if self.monitor is not None:  # level 1: every rank arrives before the reduction
+            self.monitor.wait_for_peers("grad_sync")
+        with self._timed("grad_sync", "comm"):
+            if overlap is not None:
+                overlap.finish()
+            else:
+                self._data_parallel().reduce()
+            if dp == 1:
+                return loss
+            loss = loss.clone()
+            dist.all_reduce(loss, group=self.mesh.group("dp"))
         return loss / dp
 
     def _data_parallel(self) -> DataParallel:

@@ -68,6 +68,11 @@ class AdaptiveMoEStep:
         for step in self.variants.values():
             step.sync_parameters()
 
+    def set_monitor(self, monitor) -> None:
+        """Both variants time into `monitor` (`Step.set_monitor`)."""
+        for step in self.variants.values():
+            step.set_monitor(monitor)
+
     def decide(self, tokens: torch.Tensor) -> dict:
         counts = count_tokens_per_rank(self.model, tokens, self.ep)
         peak = int(counts.max()) if counts.numel() else 0

@@ -26,6 +26,7 @@ from mxgraph.runtime.checkpoint_disk import saved_world_size
 from mxgraph.runtime.checkpoint_state import apply_training_state, capture_training_state
 from mxgraph.runtime.device import detect
 from mxgraph.runtime.launch import init_from_environment
+from mxgraph.runtime.monitor import MonitorConfig, StepMonitor
 
 log = logging.getLogger("mxgraph.train")
 
@@ -80,6 +81,17 @@ class TrainConfig:
     steps: every step). Read one with mxgraph inspect --overlap DIR/rank0.json."""
     profile_steps: int = 4
     """Steps --profile records after its 2 warm-up steps."""
+    monitor_level: int = 0
+    """Slow-node detection on every rank: 0 times each step's data, forward+backward,
+    gradient synchronisation and optimizer (ms per step); 1 also every layer's forward and
+    backward and every collective (its transfer and its wait apart) inside the compiled
+    step; 2 also every op (torch.profiler, slow). Each report interval the ranks compare
+    their sections with the median of ranks; findings go to the log and --monitor-json."""
+    monitor_every: int = 10
+    """Steps per report interval; a section slow in 2 intervals in a row is reported."""
+    monitor_json: str = "runs/slow_nodes.jsonl"
+    """Where rank 0 appends each finding as a JSON line (step, rank, host, section, kind,
+    value_ms, reference_ms, slowdown against the median of ranks)."""
 
 
 class _ConsoleHandler(logging.Handler):
@@ -162,6 +174,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     step_fn = model if cfg.eager else mxgraph.compile(model, plan)
     dp_rank = 0 if cfg.eager else step_fn.mesh.coords["dp"]
     batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed + dp_rank)
+    monitor = slow_node_monitor(cfg, step_fn, rank)
     if not cfg.eager:  # compile first: with pp, this rank's parameters are known after
         step_fn.prepare(*batches.peek())
     params = list(model.parameters() if cfg.eager else step_fn.parameters())
@@ -187,19 +200,26 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        inputs, targets = batches.next()
-        loss = step_fn(inputs, targets)
+        with monitor.section("data"):
+            inputs, targets = batches.next()
         if cfg.eager:
-            loss.backward()
-        if cfg.eager:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        else:  # the norm of the whole model's gradient, over every rank
-            step_fn.clip_grad_norm_(1.0)
+            with monitor.section("forward_backward"):
+                loss = step_fn(inputs, targets)
+                loss.backward()
+        else:  # the compiled step times its own sections
+            loss = step_fn(inputs, targets)
         if checkpointer is not None:  # a background save's copy ends before the update
-            checkpointer.wait_copied()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            with monitor.section("checkpoint"):
+                checkpointer.wait_copied()
+        with monitor.section("optimizer"):
+            if cfg.eager:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            else:  # the norm of the whole model's gradient, over every rank
+                step_fn.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
+        monitor.step()  # every --monitor-every steps: compare ranks, report slow ones
         elapsed = time.perf_counter() - start
         tokens_per_s = (step + 1 - start_step) * cfg.batch_size * cfg.seq_len / elapsed
         postfix = dict(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
@@ -209,8 +229,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             log.debug("step %d: dropped by capacity %s", step + 1, dropped)
         bar.set_postfix(postfix)
         if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            result = checkpointer.save(step + 1, _capture(  # copied behind the next step
-                plan, named, optimizer, batches.state_dict(), plan.to_dict()), background=True)
+            with monitor.section("checkpoint"):  # copied behind the next step
+                result = checkpointer.save(step + 1, _capture(
+                    plan, named, optimizer, batches.state_dict(), plan.to_dict()), background=True)
             log.info("checkpoint at step %d: %s (%.3f s blocking)", step + 1,
                      result.status, result.blocking_s)
         if profiler is not None:
@@ -227,6 +248,23 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     return {"train_loss": loss_value, "val_loss": val_loss, "seconds": seconds,
             "tokens_per_s": done * cfg.batch_size * cfg.seq_len / seconds,
             "start_step": start_step}
+
+
+def slow_node_monitor(cfg: TrainConfig, step_fn, rank: int) -> StepMonitor:
+    """The run's slow-node monitor at `cfg.monitor_level`, attached to the compiled step
+    (which then times its forward+backward, gradient sync and, at level 1, its layers and
+    collectives); an eager model's layers are timed by module hooks at level 1."""
+    if rank == 0 and os.path.dirname(cfg.monitor_json):
+        os.makedirs(os.path.dirname(cfg.monitor_json), exist_ok=True)
+    monitor = StepMonitor(config=MonitorConfig(level=cfg.monitor_level,
+                                               report_every=cfg.monitor_every),
+                          json_path=cfg.monitor_json)
+    if cfg.eager:
+        if cfg.monitor_level >= 1:
+            monitor.instrument_layers(step_fn)
+    else:
+        step_fn.set_monitor(monitor)
+    return monitor
 
 
 def check_checkpoint_dir(path: str) -> None:

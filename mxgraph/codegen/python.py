@@ -19,10 +19,12 @@ _PIECES = {"F": "forward", "B": "input gradients", "W": "weight gradients"}
 
 def generate_program(program: Program, title: str) -> None:
     """Generate `program`'s function and source (sets `program.fn` and `program.source`);
-    each output in `program.announce` is passed to `program.ready` right after its line."""
-    if program.announce or program.needs:  # hook calls in the graph: gm runs them too
-        _announce_calls(program)
+    each output in `program.announce` is passed to `program.ready` right after its line;
+    each of `program.points` is a call `point(i, section)` right before its node."""
+    if program.announce or program.needs or program.points:  # calls in the graph: gm runs
+        _announce_calls(program)                                  # them too
         _need_calls(program)
+        _point_calls(program)
         program.gm.recompile()
     code = program.gm.graph.python_code(root_module="self")
     source = f"# {title}\n" + code.src
@@ -87,6 +89,18 @@ def _need_calls(program: Program) -> None:
             continue
         with graph.inserting_before(min(users, key=order.get)):
             graph.call_function(need, (index,))
+
+
+def _point_calls(program: Program) -> None:
+    """A call `point(i, section)` right before the node of each timing point (the section
+    is there for the reader: the monitor's timer has the labels)."""
+    graph = program.gm.graph
+
+    def point(index, section):
+        program.point(index)
+    for index, timing in enumerate(program.points):
+        with graph.inserting_before(timing.node):
+            graph.call_function(point, (index, timing.section))
 
 
 def generate(stages: dict[int, StagePrograms], plan, dump_dir=None) -> str:

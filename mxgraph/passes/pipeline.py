@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from mxgraph.errors import PlanError
 from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass
+from mxgraph.passes.monitor_points import monitor_points_step
 from mxgraph.passes.offload import offload_pass
 from mxgraph.passes.overlap_async import overlap_async_pass
 from mxgraph.passes.overlap_moe import overlap_moe_pass
@@ -88,12 +89,15 @@ PIPELINE = [
     *JOINT_PASSES,
     PassSpec("split_bw", split_bw_step, "step",
              "after the joint passes: F, B and W programs of the final joint graph"),
+    PassSpec("monitor_points", monitor_points_step, "step",
+             "after split_bw, on the final programs: where each changes section (layer, "
+             "collective), for a level-1 monitor's timing calls; nothing at level 0"),
     PassSpec("codegen", codegen_step, "step",
              "last: Python code for each program, and this rank's executor"),
 ]
 
 EVAL_PIPELINE = [spec for spec in PIPELINE if spec.phase != "joint" and spec.name not in (
-    "grad", "split_bw", "codegen")] + [
+    "grad", "split_bw", "monitor_points", "codegen")] + [
     PassSpec("forward_programs", forward_programs_step, "step",
              "evaluation: each stage's forward graph is its program (no backward)"),
     PIPELINE[-1],  # codegen

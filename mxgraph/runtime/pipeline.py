@@ -14,9 +14,15 @@ After the last action: the loss (mean over micro-batches) is broadcast from the 
 that computed it over the pipeline group; gradients of parameters held by several
 stages on different ranks (tied embeddings) are summed over those ranks; with dp > 1,
 gradients are averaged over the data-parallel group.
+
+With a monitor (`set_monitor`, `runtime/monitor.py`) the executor times its compute
+actions as "forward_backward", P2P receives, the final wait for sends and the loss
+broadcast as "pipeline_wait", the sum of shared gradients as "grad_sync"; at level 1 each
+program's timing points time its layers and collectives (`Program.clock`).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -134,6 +140,31 @@ class PipelineExecutor:
         the CPU matches on source and tag): then receives are posted no earlier than after
         the sends listed before them (`p2p.post_points`)."""
         self._p2p: P2PQueue | None = None  # the running step's transfers, with p2p_ahead
+
+    monitor = None
+    """The `runtime.monitor.StepMonitor` timing this executor's steps (`set_monitor`);
+    None: untimed."""
+
+    def set_monitor(self, monitor) -> None:
+        """Time steps into `monitor` (None: stop). At level 1 every program with timing
+        points gets a clock (`ProgramTimer`); programs compiled without points time only
+        the level-0 sections."""
+        self.monitor = monitor
+        timing = monitor is not None and monitor.cfg.level >= 1
+        for rt in self.stages.values():
+            for _, program in rt.programs.all():
+                program.clock = monitor.program_timer(
+                    [(p.section, p.kind, p.group) for p in program.points]) \
+                    if timing and program.points else None
+
+    @property
+    def timing_points(self) -> bool:
+        """Whether the generated programs call timing points (compiled for level 1)."""
+        return any(p.points for rt in self.stages.values() for _, p in rt.programs.all())
+
+    def _timed(self, name: str, kind: str):
+        return contextlib.nullcontext() if self.monitor is None else \
+            self.monitor.section(name, kind)
 
     def model_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of the model's parameters this rank's stages read, each once
@@ -324,16 +355,17 @@ class PipelineExecutor:
     def do(self, run: PipelineRun, action: Action) -> None:
         kind, stage, mb = action.kind, action.stage, action.microbatch
         if kind in (F, B, W, BW):
-            with torch.no_grad():
+            with torch.no_grad(), self._timed("forward_backward", "compute"):
                 for _ in self.compute(run, action):
                     pass
         elif kind == OVERLAP_F_B:
-            with torch.no_grad():
+            with torch.no_grad(), self._timed("forward_backward", "compute"):
                 self.handovers += interleave([self.compute(run, part) for part in action.parts])
         elif kind in (SEND_F, SEND_B):
             self.send(run, kind, stage, mb)
         else:
-            self.recv(run, kind, stage, mb)
+            with self._timed("pipeline_wait", "wait"):
+                self.recv(run, kind, stage, mb)
 
     # ---- one step ---------------------------------------------------------------------
     def step(self, microbatches: list[list], training: bool = True) -> torch.Tensor:
@@ -368,16 +400,20 @@ class PipelineExecutor:
             self._p2p = None
             if listening:
                 self._listen_for_parameters(None)
-        for work in run.sends:
-            work.wait()
+        if run.sends:
+            with self._timed("pipeline_wait", "wait"):
+                for work in run.sends:
+                    work.wait()
         loss = torch.stack([run.losses[m] for m in sorted(run.losses)]).mean() \
             if run.losses else torch.zeros((), dtype=self.loss_meta.dtype, device=self.mesh.device)
         if self.mesh.sizes["pp"] > 1:
             loss = loss.detach().clone()
-            dist.broadcast(loss, self._peer(self.schedule.num_stages - 1),
-                           group=self.mesh.group("pp"))
-            if training:
-                self._sum_shared_grads()
+            with self._timed("pipeline_wait", "wait"):
+                dist.broadcast(loss, self._peer(self.schedule.num_stages - 1),
+                               group=self.mesh.group("pp"))
+            if training and self.shared_params:
+                with self._timed("grad_sync", "comm"):
+                    self._sum_shared_grads()
         return loss.detach()
 
     def _sum_shared_grads(self) -> None:

@@ -11,6 +11,11 @@ line): the executor hears of each parameter gradient as soon as it exists, so th
 data-parallel bucket can start its reduction during the backward. Inputs listed in
 `needs` go to `on_need(node)` right before the program's first use of them: a ZeRO-1
 parameter is then waited for only where the step reads it.
+
+With a level-1 monitor (`Step.set_monitor`), `points` lists where the generated code calls
+`point(i, section)`: the start of each segment a `runtime.monitor.ProgramTimer` (the
+program's `clock`) times as one section (a layer's compute, a collective, the wait for
+its group); without, the code has no such calls.
 """
 from __future__ import annotations
 
@@ -18,6 +23,19 @@ from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
+
+
+@dataclass(frozen=True)
+class TimingPoint:
+    """Where a segment of a program starts (right before `node` of its graph) and what
+    it is timed as: `section` ("fwd:layer 3", "all_reduce of layer 3", ...), `kind`
+    ("compute", "comm", "wait"), `group`: the process-group name whose ranks meet at the
+    start of a "wait" segment (None: no meeting)."""
+
+    node: Node
+    section: str
+    kind: str
+    group: str | None = None
 
 
 @dataclass
@@ -52,12 +70,25 @@ class Program:
         if self.on_ready is not None:
             self.on_ready(self.announce[index], value)
 
+    points: tuple[TimingPoint, ...] = ()
+    """Timing points the generated code calls (`passes/monitor_points.py`); () without."""
+    clock: object = None
+    """The `runtime.monitor.ProgramTimer` timing the run at hand (set by the executor for
+    a level-1 monitor); None: the points do nothing."""
+
+    def point(self, index: int) -> None:
+        """Called by the generated code where segment `points[index]` starts."""
+        if self.clock is not None:
+            self.clock.point(index)
+
     steps_fn: object = None
     """The generated function as a generator that pauses right before each wait for a
     collective (codegen); None: `steps` runs the program whole."""
 
     def run(self, env: dict[Node, torch.Tensor]) -> None:
         values = (self.fn or self.gm)(*[env[n] for n in self.inputs])
+        if self.clock is not None:
+            self.clock.end()
         env.update(zip(self.outputs, values))
 
     def steps(self, env: dict[Node, torch.Tensor]):
@@ -66,7 +97,12 @@ class Program:
         if self.steps_fn is None:
             self.run(env)
             return
-        values = yield from self.steps_fn(*[env[n] for n in self.inputs])
+        work = self.steps_fn(*[env[n] for n in self.inputs])
+        if self.clock is None:
+            values = yield from work
+        else:
+            values = yield from self.clock.paused(work)
+            self.clock.end()
         env.update(zip(self.outputs, values))
 
 

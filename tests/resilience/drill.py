@@ -118,6 +118,21 @@ def run_drill(train_args: list[str], *, kills: list[Kill], run_id: str, seed: in
     return DrillResult(proc.returncode, output, killed, restarts, time.perf_counter() - t0)
 
 
+def same_final_state(dir_a: str, dir_b: str, step: int) -> bool:
+    """Whether the committed checkpoints of `step` in two directories hold equal model and
+    optimizer tensors (torch.equal)."""
+    import torch
+
+    sys.path.insert(0, REPO)
+    from mxgraph.runtime import checkpoint_disk as disk
+    a, b = (disk.load(disk.step_dir(d, step), source_rank=0) for d in (dir_a, dir_b))
+    same = a["model"].keys() == b["model"].keys() and all(
+        torch.equal(t, b["model"][k]) for k, t in a["model"].items())
+    return same and all(torch.equal(v, b["optimizer"]["state"][i][k])
+                        for i, moments in a["optimizer"]["state"].items()
+                        for k, v in moments.items())
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200)
@@ -132,11 +147,17 @@ def main() -> int:
                                     args.save_every), 4))
     kills = [Kill("worker", points[0]), Kill("saver", points[1]), Kill("worker", points[2]),
              Kill("worker", points[3])]
-    train_args = ["--nproc", str(args.nproc), "--max-restarts", "5", "--steps", str(args.steps),
-                  "--save-every", str(args.save_every), "--checkpoint-dir", args.checkpoint_dir,
-                  "--no-progress", *args.extra]
+    common = ["--nproc", str(args.nproc), "--steps", str(args.steps), "--save-every",
+              str(args.save_every), "--no-progress", *args.extra]
+    train_args = [*common, "--max-restarts", "5", "--checkpoint-dir", args.checkpoint_dir]
+    ref_args = [*common, "--checkpoint-dir", args.checkpoint_dir + "-reference"]
+    reference = run_drill(ref_args, kills=[], run_id=f"reference-{os.getpid()}")
+    print(f"uninterrupted run: exit status {reference.returncode}, {reference.seconds:.1f} s")
     result = run_drill(train_args, kills=kills, run_id=f"drill-{os.getpid()}", seed=args.seed)
     print(result.output[-3000:])
+    if args.steps % args.save_every == 0 and reference.returncode == result.returncode == 0:
+        print("final parameters and optimizer state bitwise equal to the uninterrupted run:",
+              same_final_state(args.checkpoint_dir + "-reference", args.checkpoint_dir, args.steps))
     for target, pid, after in result.killed:
         print(f"killed {target} pid {pid} after the checkpoint of step {after}")
     for restart, step, source, lost in result.restarts:

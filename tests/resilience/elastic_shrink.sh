@@ -10,9 +10,13 @@ d=$(mktemp -d); port=$((20000 + RANDOM % 20000))
 args="train --nproc 2 --nnodes 1:2 --rdzv-endpoint 127.0.0.1:$port --rdzv-id el$port --max-restarts 3
       --save-every 5 --steps 40 --model llama-tiny --batch-size 2 --seq-len 16 --val-batches 1
       --no-progress --checkpoint-dir $d/ck"
-setsid python -m mxgraph.cli $args > "$d/a.log" 2>&1 & a=$!
-setsid python -m mxgraph.cli $args > "$d/b.log" 2>&1 & b=$!
-until grep -q "checkpoint at step 10" "$d/a.log" "$d/b.log"; do sleep 0.5; done
+py=${PYTHON:-python}  # the environment mxgraph is installed in (an activated venv)
+setsid "$py" -m mxgraph.cli $args > "$d/a.log" 2>&1 & a=$!
+setsid "$py" -m mxgraph.cli $args > "$d/b.log" 2>&1 & b=$!
+until grep -q "checkpoint at step 10" "$d/a.log" "$d/b.log"; do
+  sleep 0.5
+  kill -0 "$a" 2>/dev/null && kill -0 "$b" 2>/dev/null || { tail -5 "$d/a.log" "$d/b.log"; exit 1; }
+done
 store=$(ss -ltnp | grep ":$port " | grep -o "pid=[0-9]*" | head -1 | cut -d= -f2)
 victim=$b; survivor=$a
 if pgrep -P "$b" | grep -qx "$store"; then victim=$a; survivor=$b; fi
