@@ -180,7 +180,8 @@ def in_flight(plan: Plan) -> dict[int, float]:
     return {rank: peak[rank] / plan.vpp for rank in range(plan.pp)}
 
 
-def _stage_layers(n_layers: int, pp: int) -> list[range]:
+def stage_layers(n_layers: int, pp: int) -> list[range]:
+    """The layers of each of `pp` contiguous stages; earlier stages take the remainder."""
     base, extra = divmod(n_layers, pp)
     out, start = [], 0
     for s in range(pp):
@@ -226,7 +227,7 @@ def estimate_memory(model, plan: Plan, *, batch_size: int = 1, seq_len: int | No
     dp = dp or plan.dp or 1
     full = models.build_from_config(config, device="meta", dtype=dtype)
     flights = in_flight(plan)
-    layer_sets = _stage_layers(config.n_layers, plan.pp)
+    layer_sets = stage_layers(config.n_layers, plan.pp)
     n_dense = getattr(config, "n_dense_layers", config.n_layers)
     traced: dict[str, LayerActivations] = {}
     seq_shard = seq_len // plan.cp

@@ -34,6 +34,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from mxgraph.memory_plan import stage_layers
 from mxgraph.plan import Plan
 from mxgraph.schedules import Costs, build_schedule, simulate
 from mxgraph.schedules.build import SCHEDULES
@@ -144,14 +145,6 @@ def compute_time(device: DeviceProfile, part: PartCost, mbs: int) -> float:
 
 
 # ---- stages ---------------------------------------------------------------------------------
-def stage_layers(n_layers: int, num_stages: int) -> list[range]:
-    base, extra = divmod(n_layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        count = base + (1 if s < extra else 0)
-        out.append(range(start, start + count))
-        start += count
-    return out
 
 
 def schedule_of(plan: Plan, cache: dict | None = None):
