@@ -295,7 +295,8 @@ def _resume(checkpointer: FlashCheckpointer, plan: Plan, named: dict, optimizer,
     if restored is None:
         if rank == 0:
             log.warning("%snothing to resume in %s (no snapshot in memory, no committed "
-                        "checkpoint on disk): starting at step 0", prefix, checkpointer.directory)
+                        "checkpoint on disk): starting at step 0 (start-up with compile %.1f s)",
+                        prefix, checkpointer.directory, time.perf_counter() - started)
         return 0
     batches.load_state_dict(_apply(restored.state, named, optimizer))
     if rank != 0:

@@ -56,7 +56,7 @@ def test_drill_three_workers_and_the_saver_killed_ends_bitwise_equal(tmp_path):
     assert len(got.restarts) == 3, got.output[-6000:]  # the saver's death restarts nothing
     for restart, step, source, lost in got.restarts:
         print(f"restart {restart}: resumed at step {step} from {source}; {lost:.1f} s lost")
-        assert source in ("memory", "disk") and lost > 0
+        assert source in ("memory", "disk") and lost > 0 or source == "none" and step == 0
     _assert_clean(drill_id, drill_dir)
     want, have = _final_state(ref_dir, steps), _final_state(drill_dir, steps)
     assert want["model"].keys() == have["model"].keys()

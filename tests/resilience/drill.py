@@ -26,7 +26,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHECKPOINT = re.compile(r"checkpoint at step (\d+): (copied|copying)")
-LOST = re.compile(r"restart (\d+) .*resumed at step (\d+) from (\w+).*; ([\d.]+) s of training lost")
+RESTART = re.compile(r"restart (\d+) \(at most \d+\): (?:resumed at step (\d+) from (\w+).*?; "
+                     r"([\d.]+) s of training lost|(nothing to resume))")
 
 
 @dataclasses.dataclass
@@ -40,7 +41,8 @@ class DrillResult:
     returncode: int
     output: str
     killed: list[tuple[str, int, int]]  # (target, pid, the checkpoint step it followed)
-    restarts: list[tuple[int, int, str, float]]  # (restart, resumed step, source, lost s)
+    restarts: list[tuple[int, int, str, float]]  # (restart, resumed step, source, lost s);
+    # source "none", step 0 and lost nan: killed before any snapshot every rank completed
     seconds: float
 
 
@@ -113,8 +115,9 @@ def run_drill(train_args: list[str], *, kills: list[Kill], run_id: str, seed: in
     finally:
         timer.cancel()
     output = "".join(lines)
-    restarts = [(int(m.group(1)), int(m.group(2)), m.group(3), float(m.group(4)))
-                for m in LOST.finditer(output)]
+    restarts = [(int(m.group(1)), 0, "none", float("nan")) if m.group(5) else
+                (int(m.group(1)), int(m.group(2)), m.group(3), float(m.group(4)))
+                for m in RESTART.finditer(output)]
     return DrillResult(proc.returncode, output, killed, restarts, time.perf_counter() - t0)
 
 
