@@ -10,7 +10,6 @@ rank's executor; later calls with that signature only run it.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Iterator, Protocol
 
 import torch
@@ -28,7 +27,7 @@ from mxgraph.runtime.copy_engine import TransferLane
 from mxgraph.runtime.dp_overlap import BucketOverlap
 from mxgraph.runtime.grad_norm import clip_grad_norm_
 from mxgraph.runtime.mesh import Mesh
-from mxgraph.runtime.monitor import StepMonitor
+from mxgraph.runtime.monitor import StepMonitor, timed
 from mxgraph.runtime.param_layout import ParamLayout
 from mxgraph.runtime.pipeline import PipelineExecutor, split_microbatches
 
@@ -150,10 +149,6 @@ class Step:
         for executor in self._compiled.values():
             executor.set_monitor(monitor)
 
-    def _timed(self, name: str, kind: str):
-        return contextlib.nullcontext() if self.monitor is None else \
-            self.monitor.section(name, kind)
-
     def parameters(self):
         """The parameters this rank updates, final as soon as `mx.compile` returns: build
         the optimizer on them right away.
@@ -227,7 +222,7 @@ class Step:
                 overlap.gather_start()
                 executor.param_needed = overlap.gathered
         elif self.plan.zero1:
-            with self._timed("param_gather", "comm"):
+            with timed(self.monitor, "param_gather", "comm"):
                 self.sync_parameters()
         try:
             loss = executor.step(split_microbatches(flat_inputs(args, kwargs),
@@ -308,7 +303,7 @@ class Step:
             return loss
         if self.monitor is not None:  # level 1: every rank arrives before the reduction
             self.monitor.wait_for_peers("grad_sync")
-        with self._timed("grad_sync", "comm"):
+        with timed(self.monitor, "grad_sync", "comm"):
             if overlap is not None:
                 overlap.finish()
             else:

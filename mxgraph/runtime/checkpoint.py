@@ -373,11 +373,7 @@ class FlashCheckpointer:
                     reason = disk.verify(path, ranks=share)
                 except Exception as e:  # noqa: BLE001
                     reason = f"unreadable: {e!r}"
-            reasons = [reason]
-            if self.distributed:
-                reasons = [None] * self.world_size
-                dist.all_gather_object(reasons, reason, group=self.group)
-            bad = next((r for r in reasons if r), None)
+            bad = next((r for r in self._every_rank(reason) if r), None)
             if bad:
                 logger.warning("flash checkpoint: skipping checkpoint %s: %s", path, bad)
                 info.skipped.append((path, bad))
@@ -394,6 +390,14 @@ class FlashCheckpointer:
             logger.warning("flash checkpoint: no usable checkpoint in %s", self.directory)
         return None
 
+    def _every_rank(self, value: Any) -> list[Any]:
+        """Every rank's `value`, by rank (collective; [value] alone on one process)."""
+        if not self.distributed:
+            return [value]
+        values: list[Any] = [None] * self.world_size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
+
     def _check_fits(self, what: str, targets: dict[str, torch.Tensor], saved: dict | None) -> None:
         """CheckpointMismatchError on every rank when the snapshot `saved` (key -> (shape,
         dtype); None: unreadable, left to the reader) does not fit some rank's `targets`.
@@ -401,11 +405,7 @@ class FlashCheckpointer:
         reason = None
         if targets and saved is not None:
             reason = first_mismatch(normalized(saved), signature_of(targets))
-        reasons = [reason]
-        if self.distributed:
-            reasons = [None] * self.world_size
-            dist.all_gather_object(reasons, reason, group=self.group)
-        bad = next(((r, text) for r, text in enumerate(reasons) if text), None)
+        bad = next(((r, text) for r, text in enumerate(self._every_rank(reason)) if text), None)
         if bad is not None:
             raise mismatch_error(what, f"rank {bad[0]}: {bad[1]}" if self.distributed else bad[1])
 

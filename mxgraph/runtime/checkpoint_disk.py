@@ -37,6 +37,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, \
     TensorStorageMetadata
 
+from mxgraph.runtime.checkpoint_copy import copy_into
 from mxgraph.runtime.shm import Shard, ShardRef, SnapshotMeta, TensorRef, unflatten_state
 
 logger = logging.getLogger("mxgraph.checkpoint")
@@ -355,10 +356,4 @@ def _shard_of(whole: torch.Tensor, ref: ShardRef, md: Metadata, target: torch.Te
     piece = whole
     for dim, (off, n) in enumerate(zip(ref.offsets, sizes)):
         piece = piece.narrow(dim, off, n)
-    if target is not None and target.shape == piece.shape and target.dtype == piece.dtype:
-        with torch.no_grad():
-            target.copy_(piece)
-        piece = target
-    else:
-        piece = piece.clone()
-    return Shard(piece, ref.global_shape, ref.offsets)
+    return Shard(copy_into(target, piece), ref.global_shape, ref.offsets)

@@ -207,6 +207,11 @@ class _CudaTimer:
         return self.elapsed(token, self.start())
 
 
+def timed(monitor: StepMonitor | None, name: str, kind: str = "compute"):
+    """`monitor.section(name, kind)`, or a context that does nothing without a monitor."""
+    return contextlib.nullcontext() if monitor is None else monitor.section(name, kind)
+
+
 class ProgramTimer:
     """Level 1: the segments of one generated program between its timing points.
 
@@ -364,7 +369,7 @@ class StepMonitor:
         generated code has timing points (`Step.set_monitor`)."""
         if match is None:
             lists = {n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList)}
-            match = lambda n, m: n.rpartition(".")[0] in lists and n != ""
+            match = lambda n, m: n.rpartition(".")[0] in lists and n != ""  # noqa: E731
         handles = []
         for name, mod in model.named_modules():
             if not match(name, mod):

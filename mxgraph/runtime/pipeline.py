@@ -22,7 +22,6 @@ program's timing points time its layers and collectives (`Program.clock`).
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ import torch.distributed as dist
 from mxgraph.capture import model_tensors, slot_tensor
 from mxgraph.errors import PlanError
 from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.monitor import timed
 from mxgraph.runtime.p2p import P2PQueue, RecvSpec
 from mxgraph.runtime.programs import StagePrograms, accumulate_grad
 from mxgraph.schedules import (B, BW, F, OVERLAP_F_B, RECV_F, SEND_B, SEND_F, W,
@@ -161,10 +161,6 @@ class PipelineExecutor:
     def timing_points(self) -> bool:
         """Whether the generated programs call timing points (compiled for level 1)."""
         return any(p.points for rt in self.stages.values() for _, p in rt.programs.all())
-
-    def _timed(self, name: str, kind: str):
-        return contextlib.nullcontext() if self.monitor is None else \
-            self.monitor.section(name, kind)
 
     def model_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of the model's parameters this rank's stages read, each once
@@ -355,16 +351,16 @@ class PipelineExecutor:
     def do(self, run: PipelineRun, action: Action) -> None:
         kind, stage, mb = action.kind, action.stage, action.microbatch
         if kind in (F, B, W, BW):
-            with torch.no_grad(), self._timed("forward_backward", "compute"):
+            with torch.no_grad(), timed(self.monitor, "forward_backward", "compute"):
                 for _ in self.compute(run, action):
                     pass
         elif kind == OVERLAP_F_B:
-            with torch.no_grad(), self._timed("forward_backward", "compute"):
+            with torch.no_grad(), timed(self.monitor, "forward_backward", "compute"):
                 self.handovers += interleave([self.compute(run, part) for part in action.parts])
         elif kind in (SEND_F, SEND_B):
             self.send(run, kind, stage, mb)
         else:
-            with self._timed("pipeline_wait", "wait"):
+            with timed(self.monitor, "pipeline_wait", "wait"):
                 self.recv(run, kind, stage, mb)
 
     # ---- one step ---------------------------------------------------------------------
@@ -401,18 +397,18 @@ class PipelineExecutor:
             if listening:
                 self._listen_for_parameters(None)
         if run.sends:
-            with self._timed("pipeline_wait", "wait"):
+            with timed(self.monitor, "pipeline_wait", "wait"):
                 for work in run.sends:
                     work.wait()
         loss = torch.stack([run.losses[m] for m in sorted(run.losses)]).mean() \
             if run.losses else torch.zeros((), dtype=self.loss_meta.dtype, device=self.mesh.device)
         if self.mesh.sizes["pp"] > 1:
             loss = loss.detach().clone()
-            with self._timed("pipeline_wait", "wait"):
+            with timed(self.monitor, "pipeline_wait", "wait"):
                 dist.broadcast(loss, self._peer(self.schedule.num_stages - 1),
                                group=self.mesh.group("pp"))
             if training and self.shared_params:
-                with self._timed("grad_sync", "comm"):
+                with timed(self.monitor, "grad_sync", "comm"):
                     self._sum_shared_grads()
         return loss.detach()
 
