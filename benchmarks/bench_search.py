@@ -14,7 +14,8 @@ Steps (each can be skipped; results of earlier steps are read back from `--out`)
    ends after `--warmup` steps, the slowest rank's median; one step (the last but one) is
    profiled for memory and left out of the timing. Peak memory per rank = the bytes of
    every live tensor at that step's start (a `gc` walk over tensors: parameters, optimizer
-   state, buffers, unique storages, gradients left out as `zero_grad` frees them) plus the
+   state, buffers, unique storages; gradients left out as `zero_grad` frees them, and the
+   data loader's token corpus, host data the same for every plan) plus the
    peak of the CPU allocator's running total during the step (torch.profiler
    `profile_memory`, "Total Allocated" of its [memory] events, relative to the step's
    start); the JSON keeps both parts. The worst rank is compared.
@@ -51,6 +52,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPED_LINK = ROOT.parent / "shared" / "tools" / "shaped-link"
 NPROC = 4
 MOE_CONFIG = "expert_impl=grouped_mm"
+SECTION_STEPS = 3
+"""The slow-node monitor's interval: its last full one (steps 4-6 of 8) gives each rank's
+mean seconds per step in data, forward_backward, grad_sync, pipeline_wait, param_gather and
+optimizer (kept in the JSON as `sections_s`, to see where a misprediction comes from)."""
 PLANS: list[tuple[str, str, dict]] = [  # (name, model, Plan fields; mbs: sequences per micro-batch)
     ("llama dp4", "llama-20m", {"mbs": 2}),
     ("llama dp4 mbs1", "llama-20m", {"mbs": 1}),
@@ -84,17 +89,22 @@ def plan_fields(fields: dict, global_batch: int) -> tuple[dict, int]:
 
 # ---- step 1: the ranks -------------------------------------------------------------------
 def live_tensor_bytes() -> int:
-    """Bytes of every live CPU tensor's storage (each storage once), gradients excluded."""
+    """Bytes of every live CPU tensor's storage (each storage once), gradients and the
+    training corpus (`mxgraph.data.Batches.tokens`: host data on any device, the same for
+    every plan) excluded."""
     import torch
-    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    grads = set()
+
+    from mxgraph.data import Batches
+    objects = gc.get_objects()
+    tensors = [o for o in objects if isinstance(o, torch.Tensor)]
+    left_out = {_storage_key(o.tokens) for o in objects if isinstance(o, Batches)}
     for t in tensors:
         if isinstance(t, torch.nn.Parameter) and t.grad is not None:
-            grads.add(_storage_key(t.grad))
+            left_out.add(_storage_key(t.grad))
     seen, total = set(), 0
     for t in tensors:
         key = _storage_key(t)
-        if key is None or key in seen or key in grads:
+        if key is None or key in seen or key in left_out:
             continue
         seen.add(key)
         total += key[1]
@@ -151,23 +161,34 @@ def worker(out: str, steps: int, warmup: int, train_argv: list[str]) -> int:
             memory["step_peak_bytes"] = trace_peak(path)
             ends.append(time.perf_counter())  # the export is not the next step's time
     register_optimizer_step_post_hook(hook)
-    code = cli_main(["train", *train_argv])
+    import mxgraph.train as train_module
+    make_monitor, monitors = train_module.slow_node_monitor, []
+
+    def keep_monitor(*args, **kwargs):  # its level-0 sections: where the step's time goes
+        monitors.append(make_monitor(*args, **kwargs))
+        return monitors[-1]
+    train_module.slow_node_monitor = keep_monitor
+    code = cli_main(["train", *train_argv, "--monitor-every", str(SECTION_STEPS)])
     intervals = [b - a for a, b in itertools.pairwise(ends)]
     skip = {profiled - 1, profiled}  # the profiled step and the export
     timed = [d for i, d in enumerate(intervals) if i >= warmup - 1 and i not in skip]
+    summaries = monitors[0].last_summaries if monitors else []
+    sections = {name: ms / 1e3 for name, ms in
+                summaries[rank]["sections"].items()} if len(summaries) > rank else {}
     result = {"rank": rank, "code": code, "intervals": intervals,
-              "step_s": statistics.median(timed) if timed else None, **memory}
+              "step_s": statistics.median(timed) if timed else None,
+              "sections_s": sections, **memory}
     result["peak_bytes"] = memory.get("state_bytes", 0) + memory.get("step_peak_bytes", 0)
     Path(f"{out}.rank{rank}").write_text(json.dumps(result))
     return code
 
 
-def measure_one(args, name: str, model: str, fields: dict, workdir: Path) -> dict:
-    """Run one plan with `mxgraph train` on the shaped link; the worst rank's numbers."""
-    from mxgraph.plan import Plan
-    fields, local = plan_fields(fields, args.global_batch)
+def measure_one(args, name: str, model: str, plan, local: int, workdir: Path) -> dict:
+    """Run `plan` with `mxgraph train` on the shaped link, `local` sequences per data-parallel
+    rank; the worst rank's numbers."""
+    fields = {k: v for k, v in plan.to_dict().items() if v != getattr(type(plan)(), k)}
     plan_path = workdir / (name.replace(" ", "_") + ".toml")
-    plan_path.write_text(Plan(**fields).to_toml())
+    plan_path.write_text(plan.to_toml())
     out = workdir / (name.replace(" ", "_") + ".json")
     train_argv = ["--model", model, "--plan", str(plan_path), "--steps", str(args.steps),
                   "--batch-size", str(local), "--seq-len", str(args.seq_len), "--warmup", "1",
@@ -198,6 +219,7 @@ def measure_one(args, name: str, model: str, fields: dict, workdir: Path) -> dic
 
 
 def measure(args, results: dict) -> None:
+    from mxgraph.plan import Plan
     workdir = Path(args.out).parent / "search_plans"
     workdir.mkdir(parents=True, exist_ok=True)
     done = {r["name"]: r for r in results.get("measured", []) if "error" not in r}
@@ -206,7 +228,8 @@ def measure(args, results: dict) -> None:
         if name in done and not args.remeasure:
             rows.append(done[name])
             continue
-        row = measure_one(args, name, model, fields, workdir)
+        fields, local = plan_fields(fields, args.global_batch)
+        row = measure_one(args, name, model, Plan(**fields), local, workdir)
         rows.append(row)
         print(f"measured {name}: " + (f"{row['step_s']:.3f} s/step, peak "
                                       f"{row['peak_bytes'] / 2**20:.0f} MiB"
@@ -281,13 +304,13 @@ def later_steps(args, results: dict, skip: set) -> None:
                                   "seconds": round(time.perf_counter() - started, 1)}
         save(args, results)
     if "predict" not in skip:
-        predict_step(args, results, device_path)
+        predict_step(args, results, device_path, skip)
         save(args, results)
     if "scale" not in skip:
         scale_step(args, results)
 
 
-def predict_step(args, results: dict, device_path: Path) -> None:
+def predict_step(args, results: dict, device_path: Path, skip: set) -> None:
     from mxgraph.plan import Plan
     from mxgraph.search.cli import evaluate
     from mxgraph.search.device import load_device
@@ -315,6 +338,13 @@ def predict_step(args, results: dict, device_path: Path) -> None:
         mine = [r for r in rows if r["model"] == model]
         best_measured = min(mine, key=lambda r: r["step_s"])
         same = [r for r in mine if _same(r, best)]
+        if not same and "measure" not in skip:  # run the top-1 too
+            dp = NPROC // (best.plan.tp * best.plan.pp * best.plan.cp)
+            row = measure_one(args, f"top-1 {model}", model, best.plan, args.global_batch // dp,
+                              Path(args.out).parent / "search_plans")
+            print(f"measured the top-1 of {model}: " + (f"{row['step_s']:.3f} s/step"
+                  if "error" not in row else "FAILED " + row["error"][-300:]), flush=True)
+            same = [row] if "error" not in row else []
         top[model] = {"top1": best.to_json(), "search_s": round(time.perf_counter() - started, 1),
                       "best_measured": best_measured["name"],
                       "best_measured_step_s": best_measured["step_s"],

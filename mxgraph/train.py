@@ -177,6 +177,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     monitor = slow_node_monitor(cfg, step_fn, rank)
     if not cfg.eager:  # compile first: with pp, this rank's parameters are known after
         step_fn.prepare(*batches.peek())
+    if not cfg.eager and plan.pp > 1:
+        release_other_stages(model, step_fn)
     params = list(model.parameters() if cfg.eager else step_fn.parameters())
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(0.9, 0.95))
@@ -248,6 +250,17 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     return {"train_loss": loss_value, "val_loss": val_loss, "seconds": seconds,
             "tokens_per_s": done * cfg.batch_size * cfg.seq_len / seconds,
             "start_step": start_step}
+
+
+def release_other_stages(model: torch.nn.Module, step_fn) -> None:
+    """With pp > 1 a rank runs only its stages: the model built here still holds every
+    stage's parameters, so give the others' a zero-stride view of one element each (shape,
+    dtype and device kept, for a later trace; no memory). This rank never reads their values."""
+    held = {id(p) for _, p in step_fn.model_parameters()}
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) not in held:
+                param.data = param.data.new_empty(()).expand(param.shape)
 
 
 def slow_node_monitor(cfg: TrainConfig, step_fn, rank: int) -> StepMonitor:

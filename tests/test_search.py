@@ -19,7 +19,8 @@ from mxgraph.schedules import Costs, simulate
 from mxgraph.search.device import load_device
 from mxgraph.search.enumerate import Space, search
 from mxgraph.search.layer_cost import TraceCache, TraceKey, trace
-from mxgraph.search.predict import Setting, pipeline, predict, schedule_of
+from mxgraph.search.predict import Setting, predict
+from mxgraph.search.schedule_time import pipeline, schedule_of
 
 SMALL = Space(max_tp=2, schedules=("1f1b", "zbh1"), recompute=("",), offload=("",),
               max_mbs=2, sequence_parallel=(False,))
@@ -130,6 +131,30 @@ def test_predicted_time_grows_with_work(setting):
     assert full.step_s > base.step_s and full.peak_memory_gib < base.peak_memory_gib
     bigger = Setting(setting.config, setting.device, 4, 16, 128, models, cache=setting.cache)
     assert predict(bigger, Plan(dp=4), 4).step_s > base.step_s
+
+
+def test_memory_and_gradient_reduction_parts(setting):
+    """Exact figures of the memory and reduction model: a second micro-batch adds one
+    gradient-sized buffer (the last micro-batch's gradients before they are added in),
+    nothing else at the same micro-batch size; an MoE plan whose experts are split over all
+    data-parallel ranks (ep = dp: no expert replicas) reduces only the dense gradients, as
+    one all-reduce of their bytes per bucket over dp; W holds a share of one activation unit."""
+    one, two = (predict(setting, Plan(dp=4, micro_batches=m), 1) for m in (1, 2))
+    params = setting.cache.layer_costs(setting.config, TraceKey(dtype="bfloat16"), 128)
+    total = sum(params.param_bytes[kind] * (setting.config.n_layers if kind == "dense" else 1)
+                for kind in params.param_bytes)
+    assert (two.peak_memory_gib - one.peak_memory_gib) * 2 ** 30 == pytest.approx(total)
+    config = models.preset_config("moe-tiny")
+    moe = Setting(config, setting.device, 4, 8, 128, models)
+    plan = Plan(dp=4, ep=4, bucket_mb=1024)
+    costs = moe.cache.layer_costs(config, TraceKey(expert_parallel=True, dtype="bfloat16"), 128)
+    counts = {"dense": config.n_dense_layers, "moe": config.n_layers - config.n_dense_layers,
+              "embed": 1, "head": 1}
+    dense = sum(n * (costs.param_bytes.get(k, 0) - costs.expert_param_bytes.get(k, 0))
+                for k, n in counts.items())
+    reference = moe.device.collective_time("all_reduce", dense, 4, False, 4)
+    assert predict(moe, plan, 2).parts_s["grad_sync"] == pytest.approx(reference)
+    assert 0 < costs.w_retained <= 1
 
 
 def _run(capsys, *argv) -> tuple[int, str, str]:

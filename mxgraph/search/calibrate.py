@@ -12,9 +12,13 @@ shared as in training; the numbers kept are the mean over ranks):
   same fit: attention_efficiency = its rate / peak_flops.
 * memory-bound: `add` of growing tensors, bytes read + written; hbm_bw = the fitted rate.
 * op overhead: the median time of an `add` of one element.
+* optimizer: `torch.optim.AdamW.step()` and `clip_grad_norm_` per parameter element.
+* each compute sample repeats its op for about 0.1 s, every rank at once: ranks that share
+  cores (the CPU) measure the shared rate training sees.
 * collectives (nproc > 1, gloo on the CPU, nccl on cuda): all_reduce, all_gather,
   reduce_scatter, all_to_all and send/recv, on groups of 2 neighbouring ranks and of all
-  ranks, every group at once, several sizes; one alpha-beta fit per kind and group size
+  ranks, every group at once, several sizes up to 16 MiB (beyond a shaped link's burst, as
+  gradient buckets are); one alpha-beta fit per kind and group size
   (bytes: the full tensor, the comm report's convention) written as `[[collective]]`.
 The default takes about a minute; `--quick` a few seconds (fewer sizes and repeats).
 """
@@ -50,15 +54,21 @@ def calibrate_command(args) -> int:
     return 0
 
 
-def _timed(fn, repeats: int, barrier=None) -> float:
+def _timed(fn, repeats: int, barrier=None, min_s: float = 0.0) -> float:
+    """Median seconds of one `fn()` over `repeats` samples, each after `barrier`; a sample
+    calls `fn` often enough to last about `min_s`, so that ranks sharing cores run at once
+    for the whole sample (one short call would find its core free while others wait)."""
+    start = time.perf_counter()
     fn()
+    calls = max(1, round(min_s / max(time.perf_counter() - start, 1e-7)))
     times = []
     for _ in range(repeats):
         if barrier is not None:
             barrier()
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 
@@ -95,7 +105,7 @@ def measure(name: str, quick: bool = False):
             torch.cuda.synchronize()
 
     def run(fn):
-        return _timed(lambda: (fn(), sync()), repeats, barrier)
+        return _timed(lambda: (fn(), sync()), repeats, barrier, min_s=0.02 if quick else 0.1)
 
     one = torch.ones(1, device=device)
     overhead = run(lambda: one + one)
@@ -118,14 +128,16 @@ def measure(name: str, quick: bool = False):
         x = torch.ones(numel, device=device, dtype=dtype)
         memory.append((3.0 * numel * x.element_size(), run(lambda x=x: x + x)))
     mem_a, mem_b = fit(memory)
+    adamw, clip = optimizer_times(run, device, overhead, quick)
     values = [peak, overhead, max(0.0, gemm_a - overhead) * peak, 1 / attn_b / peak,
-              max(0.0, attn_a - overhead) / attn_b, 1 / mem_b, max(0.0, mem_a - overhead) / mem_b]
+              max(0.0, attn_a - overhead) / attn_b, 1 / mem_b, max(0.0, mem_a - overhead) / mem_b,
+              adamw, clip]
     fits = collective_fits(world, device, quick, barrier) if world > 1 else []
     if world > 1:
         mean = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(mean)
         values = (mean / world).tolist()
-    peak, overhead, gemm_half, attn_eff, attn_half, bw, mem_half = values
+    peak, overhead, gemm_half, attn_eff, attn_half, bw, mem_half, adamw, clip = values
     total_memory = _host_memory() if device.type == "cpu" else \
         torch.cuda.get_device_properties(device).total_memory * world
     ar = [f for f in fits if f["kind"] == "all_reduce" and f["group_size"] == world]
@@ -139,10 +151,27 @@ def measure(name: str, quick: bool = False):
         inter_bw=link, shared_link=device.type == "cpu", comm_efficiency=1.0, host_bw=bw,
         gemm_efficiency=1.0, gemm_half_flops=gemm_half, attention_efficiency=min(4.0, attn_eff),
         attention_half_flops=attn_half, memory_efficiency=1.0, memory_half_bytes=mem_half,
-        op_overhead_s=overhead, flash_attention=device.type != "cpu",
+        op_overhead_s=overhead, adamw_s_per_element=adamw, clip_s_per_element=clip,
+        flash_attention=device.type != "cpu",
         sources={"all": f"measured by mxgraph search --calibrate {name} on {world} rank(s), "
                         f"{stamp}{' (quick)' if quick else ''}; see mxgraph/search/calibrate.py"},
         collective=fits)
+
+
+def optimizer_times(run, device, overhead: float, quick: bool) -> tuple[float, float]:
+    """(AdamW step, gradient-norm clip) seconds per fp32 element, per-tensor overheads
+    apart: `torch.optim.AdamW` as `mxgraph train` builds it (the default implementation
+    for the device) and `torch.nn.utils.clip_grad_norm_`, over 16 tensors."""
+    import torch
+    numel = 2 ** 18 if quick else 2 ** 21
+    params = [torch.nn.Parameter(torch.randn(numel // 16, device=device)) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    adamw = run(optimizer.step)
+    clip = run(lambda: torch.nn.utils.clip_grad_norm_(params, 1e9))
+    return (max(0.0, adamw - 12 * 16 * overhead) / numel,
+            max(0.0, clip - 2 * 16 * overhead) / numel)
 
 
 def _host_memory() -> float:
@@ -161,7 +190,7 @@ def collective_fits(world: int, device, quick: bool, barrier) -> list[dict]:
     if world > 2 and world % 2 == 0:
         pairs = [dist.new_group([i, i + 1]) for i in range(0, world, 2)]
         groups[2] = pairs[rank // 2]
-    sizes = (2 ** 16, 2 ** 20) if quick else (2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22)
+    sizes = (2 ** 16, 2 ** 20) if quick else (2 ** 14, 2 ** 17, 2 ** 20, 2 ** 22, 2 ** 24)
     repeats = 3 if quick else 5
     fits = []
     for n, group in sorted(groups.items()):

@@ -67,7 +67,8 @@ def add_search_parser(commands, parents, library) -> None:
     p.add_argument("--offload-levels", default="none;all", help="activation offload "
                    "policies to enumerate, separated by ';' (default 'none;all')")
     p.add_argument("--calibrate", metavar="DEVICE", help="measure this machine's GEMM, "
-                   "attention, elementwise and collective times and write a device TOML "
+                   "attention, elementwise, AdamW/clipping (seconds per element) and "
+                   "collective times and write a device TOML "
                    "(--out); DEVICE is the profile name to write (e.g. cpu)")
     p.add_argument("--nproc", type=int, default=1, help="--calibrate: ranks to measure "
                    "collectives on (started through torchrun; 1 = no collectives)")

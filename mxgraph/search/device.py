@@ -108,6 +108,13 @@ class DeviceProfile:
     """Bytes of a memory-bound kernel that reaches half of memory_efficiency."""
     op_overhead_s: float = 4e-6
     """Fixed cost per kernel (launch and framework dispatch), seconds."""
+    adamw_s_per_element: float = 0.0
+    """Measured seconds of `torch.optim.AdamW.step()` per fp32 parameter element (what
+    `mxgraph train` runs; --calibrate writes it); 0: AdamW is timed as a memory-bound pass
+    over parameters, gradients and both moments (a fused kernel's traffic)."""
+    clip_s_per_element: float = 0.0
+    """Measured seconds of gradient-norm clipping per gradient element; 0: one read and one
+    scaled write of the gradients, memory-bound."""
     step_overhead_s: float = 0.0
     """Fixed cost per training step outside the kernels (Python, optimizer loop), seconds."""
     flash_attention: bool = True

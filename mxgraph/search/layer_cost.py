@@ -48,6 +48,7 @@ from mxgraph.cost import node_cost, tensor_meta
 from mxgraph.driver import compile_step, fake_model, paper_mesh, run
 from mxgraph.ir import ATTENTION_OPS, MATMUL_OPS, packet
 from mxgraph.memory_plan import SavedByKind, recompute_math_attention, saved_by_layer
+from mxgraph.memory_saved import node_bytes, size_hints
 from mxgraph.passes.pipeline import PIPELINE
 from mxgraph.plan import Plan
 
@@ -113,6 +114,10 @@ class LayerCosts:
     """Saved activation bytes per layer of a kind (device, host, norm/residual part) and the
     transient working set, read from the same joint graph (`memory_plan.saved_by_layer`)."""
     compile_s: float = 0.0
+    w_retained: float = 0.5
+    """Share of a micro-batch's saved activations still held between its B and its W (the
+    weight gradients' inputs: saved by F or made by B), at most 1; the schedule simulator's
+    `w_retained` (`w_retained_share`)."""
 
     def part(self, kind: str, program: str) -> PartCost:
         return self.parts.get((kind, program), PartCost())
@@ -214,7 +219,7 @@ def split_by_tp(one: LayerCosts, two: LayerCosts, key: TraceKey) -> LayerCosts:
                         at(one.saved.transient, two.saved.transient))
     return LayerCosts(key, two.tokens, parts, per_kind(one.param_bytes, two.param_bytes),
                       per_kind(one.expert_param_bytes, two.expert_param_bytes),
-                      dict(two.param_tensors), saved)
+                      dict(two.param_tensors), saved, w_retained=two.w_retained)
 
 
 @dataclass
@@ -308,7 +313,18 @@ def read_costs(traced: Traced, compilation, key: TraceKey, seq_len: int,
     params, experts, tensors = local_params(joint, small)
     saved = saved_by_layer(joint.gm, lambda layer, module: layer_kind(small, layer, module))
     return LayerCosts(key, seq_len // key.cp, parts, params, experts, tensors, saved,
-                      time.perf_counter() - started)
+                      time.perf_counter() - started, w_retained_share(joint.gm, where, saved))
+
+
+def w_retained_share(gm, where: dict[str, str], saved) -> float:
+    """Bytes of the values W reads that F or B made (kept from B until W runs), over the
+    bytes F saves for the backward (one activation unit), capped at 1."""
+    hints = size_hints(gm)
+    kept = sum(node_bytes(node, hints) for node in gm.graph.nodes
+               if where.get(node.name) in ("F", "B")
+               and any(where.get(user.name) == "W" for user in node.users))
+    unit = sum(saved.device.values()) + sum(saved.host.values())
+    return min(1.0, kept / unit) if unit else 0.5
 
 
 def program_of(programs) -> dict[str, str]:

@@ -16,12 +16,14 @@ under ZeRO-1). With overlap on, the sequence-parallel gathers/scatters and the e
 all-to-alls (with `moe.a2a_overlap`) are half hidden behind independent compute (1 - 1/chunks
 with `overlap.tp_chunks`); other in-graph collectives stay exposed.
 
-Memory per pipeline rank: parameters and gradients (local shapes from the graph), AdamW
-state (fp32 m and v, plus an fp32 master copy for non-fp32 parameters; / dp under ZeRO-1,
-experts / dp/ep), saved activations per layer kind read from the same traced joint graph
-(`memory_plan.saved_by_layer`: the plan's own sharding, recompute and offload) times the
-micro-batch size and the micro-batches in flight (the schedule simulator's peak units /
-vpp, as `memory_plan.in_flight`), and the transient working set of one micro-batch. The
+Memory per pipeline rank: parameters and gradients (local shapes from the graph; a second
+gradient copy with several micro-batches, `grad_copies`), AdamW state (fp32 m and v, plus an
+fp32 master copy for non-fp32 parameters; / dp under ZeRO-1, experts / dp/ep; ZeRO-1's fp32
+flat shards and their gradients too), saved activations per layer kind read from the same
+traced joint graph (`memory_plan.saved_by_layer`: the plan's own sharding, recompute and
+offload) times the micro-batch size and the micro-batches in flight (the schedule
+simulator's peak units / vpp, as `memory_plan.in_flight`; `LayerCosts.w_retained` of a unit
+kept from B to W), and the transient working set of one micro-batch. The
 pre-score reads the unsharded graph under the plan's policy instead, split by tp and cp as
 `memory_plan.estimate_memory` does (`activations`).
 
@@ -36,10 +38,10 @@ from dataclasses import dataclass, field
 
 from mxgraph.memory_plan import stage_layers
 from mxgraph.plan import Plan
-from mxgraph.schedules import Costs, build_schedule, simulate
-from mxgraph.schedules.build import SCHEDULES
+from mxgraph.schedules import Costs
 from mxgraph.search.device import DeviceProfile
 from mxgraph.search.layer_cost import TRACED_EP, PartCost, TraceCache, TraceKey
+from mxgraph.search.schedule_time import pipeline, rank_stages, stage_count, unit_pipeline
 
 _GiB = 2 ** 30
 
@@ -81,6 +83,10 @@ class Prediction:
     bubble: float
     exposed_comm_s: float
     memory_per_rank_gib: list[float]
+    parts_s: dict = field(default_factory=dict)
+    """The step's seconds by part: "pipeline" (forward and backward of every micro-batch,
+    the schedule's bubble included), "grad_sync" (the exposed data-parallel reduction),
+    "optimizer" (gradient clipping and AdamW)."""
 
     def to_json(self) -> dict:
         return {"plan": self.plan.to_dict(), "micro_batch_size": self.mbs,
@@ -145,28 +151,6 @@ def compute_time(device: DeviceProfile, part: PartCost, mbs: int) -> float:
 
 
 # ---- stages ---------------------------------------------------------------------------------
-
-
-def schedule_of(plan: Plan, cache: dict | None = None):
-    """The plan's schedule (kept in `cache` by schedule, pp, micro-batches and vpp)."""
-    vpp = None if plan.schedule == "dualpipev" else plan.vpp
-    key = (plan.schedule, plan.pp, plan.micro_batches, vpp)
-    if cache is None or key not in cache:
-        schedule = build_schedule(plan.schedule, plan.pp, plan.micro_batches, vpp)
-        if cache is None:
-            return schedule
-        cache[key] = schedule
-    return cache[key]
-
-
-def check_schedule(plan: Plan) -> None:
-    """PlanError when the schedule's rules (`schedules.build`) refuse the plan's pp,
-    micro-batches and vpp; nothing is built."""
-    if plan.schedule not in SCHEDULES:
-        build_schedule(plan.schedule, plan.pp, plan.micro_batches)  # raises the error
-    default_vpp, check, _ = SCHEDULES[plan.schedule]
-    check(plan.schedule, plan.pp, plan.micro_batches,
-          default_vpp if plan.schedule == "dualpipev" else plan.vpp)
 
 
 def trace_key(setting: Setting, plan: Plan) -> TraceKey:
@@ -240,38 +224,14 @@ def policy_costs(setting: Setting, plan: Plan):
     return setting.cache.layer_costs(setting.config, key, setting.seq_len)
 
 
-def flights(setting: Setting, plan: Plan) -> dict[int, float]:
+def flights(setting: Setting, plan: Plan, w_retained: float = 0.5) -> dict[int, float]:
     """Micro-batches whose activations a pipeline rank holds at its peak (as
-    `memory_plan.in_flight`: the simulator's peak units / vpp)."""
+    `memory_plan.in_flight`: the simulator's peak units / vpp; `w_retained`: the share of a
+    unit held from B to W, `LayerCosts.w_retained`)."""
     if plan.pp == 1:
         return {0: 1.0}
-    _, _, peak = unit_pipeline(setting, plan)
+    _, _, peak = unit_pipeline(setting, plan, w_retained)
     return {rank: units / plan.vpp for rank, units in peak.items()}
-
-
-def unit_pipeline(setting: Setting, plan: Plan) -> tuple[float, float, dict]:
-    key = ("unit", plan.schedule, plan.pp, plan.micro_batches, plan.vpp)
-    if key not in setting.flights:
-        setting.flights[key] = pipeline(setting, plan, Costs())
-    return setting.flights[key]
-
-
-def pipeline(setting: Setting, plan: Plan, costs: Costs) -> tuple[float, float, dict]:
-    """(time, overall bubble, peak activation units per rank) of the plan's schedule under
-    `costs`. Beyond 3 pp micro-batches it is simulated at 2 pp and 3 pp and extrapolated:
-    after the warm-up each further micro-batch adds the same actions to every rank, so the
-    time and each rank's busy time grow by a constant and the peak stays (tested against
-    the full simulation)."""
-    m, base = plan.micro_batches, plan.pp
-    if m <= 3 * base:
-        timeline = simulate(schedule_of(plan, setting.schedules), costs, check=False)
-        return timeline.total_time, timeline.overall_bubble_ratio, timeline.peak_activations
-    one, two = (simulate(schedule_of(dataclasses.replace(plan, micro_batches=k * base),
-                                     setting.schedules), costs, check=False) for k in (2, 3))
-    extra = (m - 2 * base) / base
-    total = one.total_time + extra * (two.total_time - one.total_time)
-    busy = [one.busy[r] + extra * (two.busy[r] - one.busy[r]) for r in one.busy]
-    return total, sum(total - b for b in busy) / (total * len(busy)), two.peak_activations
 
 
 def local_param_bytes(costs, plan: Plan, kind: str) -> tuple[float, float]:
@@ -287,7 +247,7 @@ def rank_memory(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: 
                 mbs: int, exact: bool) -> list[dict]:
     """Per pipeline rank: bytes of params, grads, optimizer, activations, transient."""
     acts = activations(setting, plan, costs, exact)
-    flight = flights(setting, plan)
+    flight = flights(setting, plan, costs.w_retained)
     dp = plan.dp or 1
     element = {"float32": 4}.get(setting.device.dtype, 2)
     master = 0 if element == 4 else 4
@@ -303,11 +263,31 @@ def rank_memory(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: 
         elements_dense = (params - experts) / element
         elements_expert = experts / element
         shard = (dp, max(1, dp // plan.ep)) if plan.zero1 else (1, 1)
-        optimizer = (8 + master) * (elements_dense / shard[0] + elements_expert / shard[1])
-        out.append({"params": params, "grads": params, "optimizer": optimizer,
+        owned = elements_dense / shard[0] + elements_expert / shard[1]
+        out.append({"params": params, "experts": experts, "grads": params * grad_copies(plan),
+                    "optimizer": (8 + master) * owned,
+                    "shards": 2 * 4 * owned if plan.zero1 else 0.0,
                     "activations": per_mb * mbs * flight.get(rank, 1.0),
                     "transient": acts.transient * mbs})
     return out
+
+
+MEMORY_PARTS = ("params", "grads", "optimizer", "shards", "activations", "transient")
+"""The parts of a `rank_memory` entry that add up to the rank's bytes ("experts": the
+routed experts' share of "params", counted there)."""
+
+
+def rank_bytes(memory: dict) -> float:
+    return sum(memory[part] for part in MEMORY_PARTS)
+
+
+def grad_copies(plan: Plan) -> int:
+    """Gradient-sized buffers at the peak: the accumulated `.grad`s, plus, with several
+    micro-batches, the last one's gradients, which a backward program returns all at once
+    and which are added in after it ends (with `overlap.dp_buckets` each is added the moment
+    it exists instead)."""
+    announced = plan.overlap is not None and plan.overlap.dp_buckets
+    return 2 if plan.micro_batches > 1 and not announced else 1
 
 
 # ---- the prediction -----------------------------------------------------------------------
@@ -325,22 +305,8 @@ def peak_memory_gib(setting: Setting, plan: Plan, mbs: int, exact: bool = False)
     costs = plan_costs(setting, plan, exact)
     stages = stage_parts(setting, plan, stage_count(plan))
     ranks = rank_stages(setting, plan)
-    return max(sum(r.values()) for r in rank_memory(setting, plan, costs, stages, ranks, mbs,
-                                                    exact)) / _GiB
-
-
-def stage_count(plan: Plan) -> int:
-    return plan.pp * (2 if plan.schedule == "dualpipev" else plan.vpp)
-
-
-def rank_stages(setting: Setting, plan: Plan) -> dict[int, list[int]]:
-    """Pipeline rank -> the stages it holds (the schedule's placement), cached."""
-    key = ("ranks", plan.schedule, plan.pp, plan.vpp)
-    if key not in setting.flights:
-        small = dataclasses.replace(plan, micro_batches=2 * plan.pp)  # placement only
-        schedule = schedule_of(small, setting.schedules)
-        setting.flights[key] = {r: list(schedule.stages_of(r)) for r in range(plan.pp)}
-    return setting.flights[key]
+    return max(rank_bytes(r) for r in rank_memory(setting, plan, costs, stages, ranks, mbs,
+                                                  exact)) / _GiB
 
 
 def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = True
@@ -394,14 +360,16 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
     tokens = setting.global_batch * setting.seq_len
     model_flops = 3 * setting.global_batch * plan.tp * plan.cp * sum(
         n * costs.part(kind, "F").flops for counts in stages for kind, n in counts.items())
-    totals = [sum(r.values()) / _GiB for r in memory]
+    totals = [rank_bytes(r) / _GiB for r in memory]
     return Prediction(plan=plan, mbs=mbs, step_s=step_s,
                       tokens_per_s_per_gpu=tokens / step_s / setting.gpus,
                       mfu=model_flops / (step_s * setting.gpus * device.peak_flops),
                       peak_memory_gib=max(totals), bubble=bubble,
                       exposed_comm_s=comm_in_graph + dp_exposed + (send * 2 * m if plan.pp > 1
                                                                     else 0.0),
-                      memory_per_rank_gib=totals)
+                      memory_per_rank_gib=totals,
+                      parts_s={"pipeline": pipeline_s, "grad_sync": dp_exposed,
+                               "optimizer": optimizer_s})
 
 
 def offload_seconds(setting: Setting, plan: Plan, costs, counts: dict, mbs: int,
@@ -435,13 +403,22 @@ def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: di
     dp = plan.dp or 1
     if dp * plan.cp == 1:
         return 0.0, 0.0
-    grads = max(r["grads"] for r in memory)
-    axis = "dp_cp" if plan.cp > 1 else "dp"
+    worst = max(memory, key=lambda r: r["params"])
     bucket = plan.bucket_mb * 2 ** 20
-    buckets = max(1, math.ceil(grads / bucket))
     kinds = ("reduce_scatter", "all_gather") if plan.zero1 else ("all_reduce",)
-    one = sum(comm_time(setting, plan, axis, kind, min(bucket, grads)) for kind in kinds)
-    total = one * (grads / min(bucket, grads))
+    total = one = 0.0
+    buckets = 0
+    # the routed experts' gradients are reduced over the data-parallel ranks that hold the
+    # same experts (dp / ep), the others' over all of dp
+    for axis, grads, size in (("dp", worst["params"] - worst["experts"], dp),
+                              ("edp", worst["experts"], max(1, dp // plan.ep))):
+        if grads <= 0 or size * plan.cp == 1:
+            continue
+        if plan.cp > 1:
+            axis += "_cp"
+        one = sum(comm_time(setting, plan, axis, kind, min(bucket, grads)) for kind in kinds)
+        total += one * (grads / min(bucket, grads))
+        buckets += max(1, math.ceil(grads / bucket))
     overlap = plan.overlap
     if overlap is None or not overlap.dp_buckets:
         return total, total
@@ -461,8 +438,16 @@ def optimizer_time(setting: Setting, plan: Plan, memory: list[dict], costs, stag
                       for s in held for kind in stages[s]) for held in ranks.values())
     if plan.zero1:
         tensors = max(1, tensors // max(1, plan.dp or 1))
-    adam = device.memory_time(elements * (7 * 4 + 2 * element)) + 12 * tensors * device.op_overhead_s
-    clip = device.memory_time(worst["grads"]) + 2 * tensors * device.op_overhead_s
+    grads = worst["params"] / element
+    if device.adamw_s_per_element:
+        adam = elements * device.adamw_s_per_element + 12 * tensors * device.op_overhead_s
+    else:
+        adam = device.memory_time(elements * (7 * 4 + 2 * element)) + \
+            12 * tensors * device.op_overhead_s
+    if device.clip_s_per_element:
+        clip = grads * device.clip_s_per_element + 2 * tensors * device.op_overhead_s
+    else:
+        clip = device.memory_time(3 * grads * element) + 2 * tensors * device.op_overhead_s
     norm = device.collective_time("all_reduce", 4, setting.gpus, setting.gpus >
                                   device.gpus_per_node, min(setting.gpus, device.gpus_per_node))
     return adam + clip + norm
