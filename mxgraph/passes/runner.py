@@ -6,7 +6,9 @@ dump.
   * tags every node the pass created with meta["created_by"] = pass name;
   * checks invariants (`invariants.py`: fx lint, collectives, new nodes' meta, random
     ops, aliasing) and raises `PassError` naming the pass;
-  * appends a record to `ctx.records` and, with a dump dir, writes the dump.
+  * appends a record to `ctx.records` and, with a dump dir, writes the dump;
+  * skips the checks and the recompile when the pass left the graph as it was (same nodes,
+    targets, args, names, in the same order: `graph_fingerprint`).
 `run_step(spec, compilation, ctx)`, for a structural step (capture, grad, split, codegen:
 `steps.py`): times it, lints the graphs it produced, records and dumps them.
 """
@@ -61,18 +63,23 @@ def run_pass(spec: PassSpec, gm: GraphModule, ctx: CompileContext,
     """Run a graph pass on one graph (`label`: which one, e.g. "stage1" of a pipeline)."""
     if spec.name in ctx.plan.disable_passes:
         return gm
-    before, aliased = set(gm.graph.nodes), aliased_outputs(gm)
+    before, aliased = graph_fingerprint(gm), aliased_outputs(gm)
     start = time.perf_counter()
     result = spec.fn(gm, ctx)
     elapsed = time.perf_counter() - start
-    new_nodes = [n for n in result.graph.nodes if n not in before]
-    for node in new_nodes:
-        node.meta.setdefault("created_by", spec.name)
-    where = f"{spec.name} ({label})" if label else spec.name
-    check_graph(result, where)
-    check_new_nodes(new_nodes, where, ctx.mesh, spec.adds_random)
-    check_aliases(result, aliased, where)
-    result.recompile()
+    if result is not gm or not same_fingerprint(before, graph_fingerprint(result)):
+        old = {entry[0] for entry in before[1:]}
+        new_nodes = [n for n in result.graph.nodes if n not in old]
+        for node in new_nodes:
+            node.meta.setdefault("created_by", spec.name)
+        where = f"{spec.name} ({label})" if label else spec.name
+        check_graph(result, where)
+        check_new_nodes(new_nodes, where, ctx.mesh, spec.adds_random)
+        check_aliases(result, aliased, where)
+        result.recompile()
+    # else the pass changed nothing fx's code is made of: the graph keeps the invariants
+    # and the code it had (most passes do nothing for a given plan; a recompile of a joint
+    # graph costs 50-100 ms)
     findings, ctx.findings = ctx.findings, []
     extra = {"findings": len(findings)} if findings else {}
     record = record_graphs(ctx, spec.name, spec.phase, [(label, result)], elapsed, **extra)
@@ -81,6 +88,21 @@ def run_pass(spec: PassSpec, gm: GraphModule, ctx: CompileContext,
         entry = ctx.dump_dir / f"{record['index']:02d}_{spec.name}"
         (entry / "findings.txt").write_text("\n".join(findings) + "\n")
     return result
+
+
+def graph_fingerprint(gm: GraphModule) -> list[tuple]:
+    """What fx generates a graph's code from, per node in order (op, target, args,
+    kwargs, name, type) and the graph's codegen, held by identity: fx replaces a node's
+    args and kwargs tuples when it changes them."""
+    graph = gm.graph
+    return [(graph._codegen,)] + [(n, n.op, n.target, n._args, n._kwargs, n.name, n.type)
+                                  for n in graph.nodes]
+
+
+def same_fingerprint(a: list[tuple], b: list[tuple]) -> bool:
+    """Whether two fingerprints are of the same graph, unchanged (identity, field by field)."""
+    return len(a) == len(b) and all(len(p) == len(q) and all(x is y for x, y in zip(p, q))
+                                    for p, q in zip(a, b))
 
 
 def record_graphs(ctx: CompileContext, name: str, phase: str,
