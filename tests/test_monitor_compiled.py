@@ -1,8 +1,8 @@
 """The slow-node monitor inside compiled steps (`Step.set_monitor`): level 1's timing points
 in the generated code time every layer and collective, level 0 adds no code, level 2
 profiles the compiled ops; on 4 gloo ranks a straggler injected in one layer of one rank
-is named by rank and layer within three report intervals (dp x pp and dp x tp plans), and
-100 clean steps raise nothing."""
+is named by rank and layer within three report intervals (dp x pp under 1F1B and under
+DualPipeV, dp x tp), and 100 clean steps raise nothing."""
 from __future__ import annotations
 
 import json
@@ -159,27 +159,32 @@ def test_points_of_an_async_collective_and_a_pause():
 
 
 # -- 4 gloo ranks -----------------------------------------------------------------------
-SCENARIOS = [  # name, plan, slow rank, slow layer, steps, report_every
-    ("dp_pp", {"dp": 2, "pp": 2, "micro_batches": 2}, 3, 1, 15, 5),  # layer 1 on ranks 2, 3
-    ("tp", {"tp": 2, "dp": 2}, 1, 0, 15, 5),
-    ("clean", {"tp": 2, "dp": 2}, None, None, 100, 10),
+SCENARIOS = [  # name, plan, slow rank, slow layer, steps, report_every, layers
+    ("dp_pp", {"dp": 2, "pp": 2, "micro_batches": 2}, 3, 1, 15, 5, 2),  # layer 1: ranks 2, 3
+    ("tp", {"tp": 2, "dp": 2}, 1, 0, 15, 5, 2),
+    # DualPipeV's V: pp rank 1 (ranks 2, 3) runs stages 1 and 2 = layers 1 and 2, and
+    # overlaps one micro-batch's F with another's B
+    ("dualpipev", {"dp": 2, "pp": 2, "schedule": "dualpipev", "micro_batches": 4}, 2, 2, 15, 5,
+     4),
+    ("clean", {"tp": 2, "dp": 2}, None, None, 100, 10, 2),
 ]
 
 
 def _straggler_worker(rank, world, out_path):
     results, steps = {}, {}
-    for name, plan, slow_rank, layer, num_steps, every in SCENARIOS:
+    for name, plan, slow_rank, layer, num_steps, every, layers in SCENARIOS:
         key = tuple(sorted(plan.items()))
         if key not in steps:
             torch.manual_seed(0)
-            model = models.build_model("llama-tiny", n_layers=2)
+            model = models.build_model("llama-tiny", n_layers=layers)
             model.layers[layer].mlp = Straggle(model.layers[layer].mlp)
             steps[key] = mx.compile(model, mx.Plan(**plan))
         step = steps[key]
         monitor = StepMonitor(config=MonitorConfig(level=1, report_every=every, min_abs_ms=5.0),
                               host=f"node-{rank // 2}")
         step.set_monitor(monitor)
-        batch = _batch(100 + step.mesh.coords["dp"], seq=8)
+        batch = _batch(100 + step.mesh.coords["dp"], batch=max(2, plan.get("micro_batches", 1)),
+                       seq=8)
         step.prepare(*batch)
         _SLOW["rank"] = slow_rank
         _train(step, monitor, batch, num_steps)
@@ -196,7 +201,7 @@ def test_four_ranks_name_the_straggler_layer(tmp_path):
     out = tmp_path / "results.json"
     run_ranks(4, _straggler_worker, str(out))
     results = json.loads(out.read_text())
-    for name, _, slow_rank, layer, num_steps, every in SCENARIOS[:2]:
+    for name, _, slow_rank, layer, num_steps, every, _ in SCENARIOS[:3]:
         reports = results[name]["reports"]
         assert reports, name
         assert {r["rank"] for r in reports} == {slow_rank}, reports

@@ -20,16 +20,25 @@ import torch
 import torch.distributed as dist
 
 
-
 def clip_grad_norm_(step, max_norm: float) -> torch.Tensor:
     """`step`: a compiled step (`mxgraph.step.TrainingStep`: its mesh, plan, data-parallel
     buckets, model parameters and executors)."""
     pieces = list(_gradient_pieces(step))  # (gradient tensor, ranks holding the same values)
     device = pieces[0][0].device if pieces else step.mesh.device  # nccl reduces device tensors
+    return clip_pieces_(pieces, max_norm, device,
+                        reduce=dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def clip_pieces_(pieces: list[tuple[torch.Tensor, int]], max_norm: float, device,
+                 reduce: bool = True) -> torch.Tensor:
+    """Clip `pieces` ((gradient, ranks holding the same values)) by the norm of them all;
+    `reduce`: the squares are summed over every rank (one all-reduce). Each square sum is
+    accumulated in fp64 inside the norm kernel, with no fp64 copy of the gradient (a copy
+    costs 15x the time on the CPU and the gradient's size twice in memory)."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     for grad, copies in pieces:
-        total += grad.double().square().sum() / copies
-    if dist.is_initialized() and dist.get_world_size() > 1:
+        total += torch.linalg.vector_norm(grad, dtype=torch.float64).square() / copies
+    if reduce:
         dist.all_reduce(total)
     norm = total.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -219,17 +219,21 @@ class PipelineExecutor:
             if slot.kind == "tangent":
                 env[node] = grads[slot.key]
         yield from self._run_backward(run, stage, mb, rt.programs.backward_input)
-        if stage == 0:
-            return
-        input_grads = [env[rt.programs.input_grads[i]] if i in rt.programs.input_grads
-                       else torch.zeros(rt.activation_meta[i].shape,
-                                         dtype=rt.activation_meta[i].dtype,
-                                         device=self.mesh.device)
-                       for i in range(rt.num_activations)]
-        if self._local(stage - 1):
-            run.grads_in[(stage - 1, mb)] = input_grads
-        else:
-            run.grads_out[(stage, mb)] = input_grads
+        if stage > 0:
+            input_grads = [env[rt.programs.input_grads[i]] if i in rt.programs.input_grads
+                           else torch.zeros(rt.activation_meta[i].shape,
+                                             dtype=rt.activation_meta[i].dtype,
+                                             device=self.mesh.device)
+                           for i in range(rt.num_activations)]
+            if self._local(stage - 1):
+                run.grads_in[(stage - 1, mb)] = input_grads
+            else:
+                run.grads_out[(stage, mb)] = input_grads
+        # from B to W a micro-batch holds only what W reads: the values F saved for B alone
+        # are freed now, not at W (what a zero-bubble schedule's deferred W costs in memory)
+        keep = rt.programs.weight_reads
+        for node in [n for n in env if n not in keep]:
+            del env[node]
 
     def backward_weight(self, run: PipelineRun, stage: int, mb: int):
         """W of (stage, mb); a generator, as `forward`."""

@@ -19,6 +19,8 @@ its group); without, the code has no such calls.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +124,12 @@ class StagePrograms:
     def all(self) -> tuple[tuple[str, Program], ...]:
         """(kind, program) for F, B and W."""
         return (("F", self.forward), ("B", self.backward_input), ("W", self.backward_weight))
+
+    @functools.cached_property
+    def weight_reads(self) -> frozenset[Node]:
+        """The values a micro-batch still needs once its B ran: W's inputs and the parameter
+        gradients (B may have made some)."""
+        return frozenset(self.backward_weight.inputs) | {node for _, node in self.param_grads}
 
 
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

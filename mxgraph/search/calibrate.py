@@ -54,21 +54,30 @@ def calibrate_command(args) -> int:
     return 0
 
 
-def _timed(fn, repeats: int, barrier=None, min_s: float = 0.0) -> float:
-    """Median seconds of one `fn()` over `repeats` samples, each after `barrier`; a sample
-    calls `fn` often enough to last about `min_s`, so that ranks sharing cores run at once
-    for the whole sample (one short call would find its core free while others wait)."""
+def _timed(fn, repeats: int, barrier=None, min_s: float = 0.0, longest=None) -> float:
+    """Median seconds of one `fn()` over `repeats` samples, each after `barrier`. With
+    `min_s` a sample is a window of at least `min_s` (and 10 calls) in which `fn` runs back
+    to back, the same window on every rank (`longest(x)`: the largest x over ranks), so ranks
+    sharing cores contend for the whole sample: a fixed count of calls lets the first rank
+    done leave its core to the others, and one short call finds its core free. Without
+    `min_s`, one call per sample (collectives: every rank calls alike)."""
     start = time.perf_counter()
     fn()
-    calls = max(1, round(min_s / max(time.perf_counter() - start, 1e-7)))
+    window = max(min_s, 10 * (time.perf_counter() - start)) if min_s else 0.0
+    if window and longest is not None:
+        window = longest(window)
     times = []
     for _ in range(repeats):
         if barrier is not None:
             barrier()
-        start = time.perf_counter()
-        for _ in range(calls):
+        start, calls = time.perf_counter(), 0
+        while True:
             fn()
-        times.append((time.perf_counter() - start) / calls)
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= window:
+                break
+        times.append(elapsed / calls)
     return statistics.median(times)
 
 
@@ -104,8 +113,14 @@ def measure(name: str, quick: bool = False):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
+    def longest(x: float) -> float:
+        top = torch.tensor([x], dtype=torch.float64, device=device)  # nccl: on the device
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        return top.item()
+
     def run(fn):
-        return _timed(lambda: (fn(), sync()), repeats, barrier, min_s=0.02 if quick else 0.1)
+        return _timed(lambda: (fn(), sync()), repeats, barrier, min_s=0.02 if quick else 0.1,
+                      longest=longest if world > 1 else None)
 
     one = torch.ones(1, device=device)
     overhead = run(lambda: one + one)
@@ -161,15 +176,19 @@ def measure(name: str, quick: bool = False):
 def optimizer_times(run, device, overhead: float, quick: bool) -> tuple[float, float]:
     """(AdamW step, gradient-norm clip) seconds per fp32 element, per-tensor overheads
     apart: `torch.optim.AdamW` as `mxgraph train` builds it (the default implementation
-    for the device) and `torch.nn.utils.clip_grad_norm_`, over 16 tensors."""
+    for the device) and the clip a compiled step runs (`runtime.grad_norm.clip_pieces_`,
+    its norm's all-reduce apart), over 16 tensors."""
     import torch
-    numel = 2 ** 18 if quick else 2 ** 21
+
+    from mxgraph.runtime.grad_norm import clip_pieces_
+    numel = 2 ** 18 if quick else 2 ** 23  # past the caches, as a model's parameters are
     params = [torch.nn.Parameter(torch.randn(numel // 16, device=device)) for _ in range(16)]
     for p in params:
         p.grad = torch.randn_like(p)
     optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
     adamw = run(optimizer.step)
-    clip = run(lambda: torch.nn.utils.clip_grad_norm_(params, 1e9))
+    pieces = [(p.grad, 1) for p in params]
+    clip = run(lambda: clip_pieces_(pieces, 1e9, device, reduce=False))
     return (max(0.0, adamw - 12 * 16 * overhead) / numel,
             max(0.0, clip - 2 * 16 * overhead) / numel)
 
