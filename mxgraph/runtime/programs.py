@@ -20,7 +20,6 @@ its group); without, the code has no such calls.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import torch
