@@ -148,8 +148,9 @@ def measure(name: str, quick: bool = False):
               max(0.0, attn_a - overhead) / attn_b, 1 / mem_b, max(0.0, mem_a - overhead) / mem_b,
               adamw, clip]
     fits = collective_fits(world, device, quick, barrier) if world > 1 else []
+    burst = link_burst(world, device, fits, barrier) if world > 1 else 0.0
     if world > 1:
-        mean = torch.tensor(values, dtype=torch.float64)
+        mean = torch.tensor(values, dtype=torch.float64, device=device)  # nccl: on the device
         dist.all_reduce(mean)
         values = (mean / world).tolist()
     peak, overhead, gemm_half, attn_eff, attn_half, bw, mem_half, adamw, clip = values
@@ -167,7 +168,7 @@ def measure(name: str, quick: bool = False):
         gemm_efficiency=1.0, gemm_half_flops=gemm_half, attention_efficiency=min(4.0, attn_eff),
         attention_half_flops=attn_half, memory_efficiency=1.0, memory_half_bytes=mem_half,
         op_overhead_s=overhead, adamw_s_per_element=adamw, clip_s_per_element=clip,
-        flash_attention=device.type != "cpu",
+        flash_attention=device.type != "cpu", link_burst_s=burst,
         sources={"all": f"measured by mxgraph search --calibrate {name} on {world} rank(s), "
                         f"{stamp}{' (quick)' if quick else ''}; see mxgraph/search/calibrate.py"},
         collective=fits)
@@ -221,12 +222,39 @@ def collective_fits(world: int, device, quick: bool, barrier) -> list[dict]:
                 x = torch.ones(numel, device=device)
                 fn = _collective(kind, x, n, group, rank)
                 points.append((numel * 4.0, _timed(fn, repeats, barrier)))
-            times = torch.tensor([t for _, t in points], dtype=torch.float64)
+            times = torch.tensor([t for _, t in points], dtype=torch.float64, device=device)
             dist.all_reduce(times)
             alpha, beta = fit([(b, t / world) for (b, _), t in zip(points, times.tolist())])
             fits.append({"kind": kind, "group_size": n, "alpha_s": alpha,
                          "beta_s_per_byte": beta, "spans_nodes": False})
     return fits
+
+
+def link_burst(world: int, device, fits: list[dict], barrier, idle_s: float = 0.1) -> float:
+    """Seconds of transfer a link passes at once after idling (a token bucket's depth over
+    its rate: tc tbf's burst on a shaped loopback; about 0 on a fabric without one): the
+    largest gap between an all-reduce's time back to back (the fit) and its time after
+    `idle_s` without traffic, over sizes up to 4 MiB, the mean over ranks."""
+    import torch
+    import torch.distributed as dist
+    fit_ar = [f for f in fits if f["kind"] == "all_reduce" and f["group_size"] == world][0]
+    saved = 0.0
+    for nbytes in (2 ** 18, 2 ** 20, 2 ** 22):
+        x = torch.ones(nbytes // 4, device=device)
+        samples = []
+        for _ in range(5):
+            barrier()
+            time.sleep(idle_s)
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            samples.append(time.perf_counter() - start)
+        streamed = fit_ar["alpha_s"] + fit_ar["beta_s_per_byte"] * nbytes
+        saved = max(saved, streamed - statistics.median(samples))
+    mean = torch.tensor([max(0.0, saved)], dtype=torch.float64, device=device)
+    dist.all_reduce(mean)
+    return mean.item() / world
 
 
 def _collective(kind: str, x, n: int, group, rank: int):

@@ -90,6 +90,12 @@ class DeviceProfile:
     """Latency of one step across nodes, seconds."""
     shared_link: bool = False
     """Every rank of a node sends through one link of intra_bw (the CPU's loopback)."""
+    link_burst_s: float = 0.0
+    """Seconds of transfer the link passes at once after it idled at least as long (a token
+    bucket's depth over its rate: the burst of the CPU's tc-tbf-shaped loopback; 0 for a
+    fabric without one). A collective inside a layer follows that layer's compute, so it
+    takes up to min(link_burst_s, the compute before it) less than back to back
+    (`burst_saving`); gradient buckets run back to back and get none. --calibrate measures it."""
     comm_efficiency: float = 0.8
     """Achieved share of the link bandwidth (nccl-tests bus bandwidth / link)."""
     host_bw: float = 25e9
@@ -172,6 +178,11 @@ class DeviceProfile:
         if self.shared_link:
             bw /= max(1, ranks_sending or self.gpus_per_node)
         return alpha * steps + factor * nbytes / (bw * self.comm_efficiency)
+
+    def burst_saving(self, seconds: float, transfer_s: float, idle_s: float) -> float:
+        """Seconds a collective of `seconds` (of which `transfer_s` move bytes) saves after
+        `idle_s` without traffic on the link (`link_burst_s`)."""
+        return min(self.link_burst_s, idle_s, transfer_s, seconds)
 
     def _fit(self, kind: str, group_size: int, spans_nodes: bool) -> CollectiveFit | None:
         fits = [c for c in self.collective if c.kind == kind and c.spans_nodes == spans_nodes]

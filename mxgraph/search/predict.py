@@ -136,9 +136,12 @@ def part_time(setting: Setting, plan: Plan, costs, kind: str, program: str,
         return setting.part_times[cache_key]
     compute = compute_time(setting.device, part, mbs)
     comm = 0.0
+    idle = compute / max(1, len(part.comm))  # the compute before each of the part's collectives
     for axis, ckind, nbytes in part.comm:
-        comm += comm_time(setting, plan, axis, ckind, nbytes * mbs) * (
-            1 - hidden_share(plan, axis, ckind))
+        seconds = comm_time(setting, plan, axis, ckind, nbytes * mbs)
+        seconds -= setting.device.burst_saving(
+            seconds, seconds - comm_time(setting, plan, axis, ckind, 0.0), idle)
+        comm += seconds * (1 - hidden_share(plan, axis, ckind))
     setting.part_times[cache_key] = (compute + comm, comm)
     return compute + comm, comm
 
