@@ -179,10 +179,10 @@ class DeviceProfile:
             bw /= max(1, ranks_sending or self.gpus_per_node)
         return alpha * steps + factor * nbytes / (bw * self.comm_efficiency)
 
-    def burst_saving(self, seconds: float, transfer_s: float, idle_s: float) -> float:
-        """Seconds a collective of `seconds` (of which `transfer_s` move bytes) saves after
+    def burst_saving(self, transfer_s: float, idle_s: float) -> float:
+        """Seconds a collective whose bytes take `transfer_s` back to back saves after
         `idle_s` without traffic on the link (`link_burst_s`)."""
-        return min(self.link_burst_s, idle_s, transfer_s, seconds)
+        return min(self.link_burst_s, idle_s, transfer_s)
 
     def _fit(self, kind: str, group_size: int, spans_nodes: bool) -> CollectiveFit | None:
         fits = [c for c in self.collective if c.kind == kind and c.spans_nodes == spans_nodes]

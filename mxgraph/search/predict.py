@@ -140,7 +140,7 @@ def part_time(setting: Setting, plan: Plan, costs, kind: str, program: str,
     for axis, ckind, nbytes in part.comm:
         seconds = comm_time(setting, plan, axis, ckind, nbytes * mbs)
         seconds -= setting.device.burst_saving(
-            seconds, seconds - comm_time(setting, plan, axis, ckind, 0.0), idle)
+            seconds - comm_time(setting, plan, axis, ckind, 0.0), idle)
         comm += seconds * (1 - hidden_share(plan, axis, ckind))
     setting.part_times[cache_key] = (compute + comm, comm)
     return compute + comm, comm
