@@ -192,3 +192,28 @@ def test_pp4_every_schedule(model_name):
     # MoE preset runs every schedule at pp=2 (test_pp2_every_schedule, both expert forms):
     # at pp=4 its 8 layers cost 40 s of the suite's budget for no other path
     run_ranks(4, _every_schedule_pp4, model_name)
+
+
+def _w_holds_only_what_it_reads(rank, world):
+    from mxgraph.runtime.pipeline import PipelineExecutor
+    held = []  # per deferred W: the values its micro-batch holds that W does not read
+    backward_weight = PipelineExecutor.backward_weight
+
+    def checked(self, run, stage, mb):
+        keep = self.stages[stage].programs.weight_reads
+        held.append([n.name for n in run.env[(stage, mb)] if n not in keep])
+        yield from backward_weight(self, run, stage, mb)
+
+    PipelineExecutor.backward_weight = checked
+    try:
+        check_plan(rank, world, "llama-tiny", {"pp": 2, "schedule": "zbh1", "micro_batches": 4}, 1)
+    finally:
+        PipelineExecutor.backward_weight = backward_weight
+    assert len(held) == 4, held  # one W per micro-batch on this rank's stage
+    assert all(not extra for extra in held), held
+
+
+def test_zbh1_b_frees_what_w_does_not_read():
+    # from B to W a micro-batch keeps only W's inputs and the parameter gradients: what F
+    # saved for B alone is gone before the deferred W (ZB-H1's memory), same numerics
+    run_ranks(2, _w_holds_only_what_it_reads)

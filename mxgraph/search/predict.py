@@ -18,8 +18,9 @@ with `overlap.tp_chunks`); other in-graph collectives stay exposed.
 
 Memory per pipeline rank: parameters and gradients (local shapes from the graph; a second
 gradient copy with several micro-batches, `grad_copies`), AdamW state (fp32 m and v, plus an
-fp32 master copy for non-fp32 parameters; / dp under ZeRO-1, experts / dp/ep; ZeRO-1's fp32
-flat shards and their gradients too), saved activations per layer kind read from the same
+fp32 master copy for non-fp32 parameters; / dp under ZeRO-1, experts / dp/ep; ZeRO-1's flat
+parameter shards too, not their gradients: those exist only once the reduce-scatter freed the
+model's gradients, after the backward's peak), saved activations per layer kind read from the same
 traced joint graph (`memory_plan.saved_by_layer`: the plan's own sharding, recompute and
 offload) times the micro-batch size and the micro-batches in flight (the schedule
 simulator's peak units / vpp, as `memory_plan.in_flight`; `LayerCosts.w_retained` of a unit
@@ -269,7 +270,7 @@ def rank_memory(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: 
         owned = elements_dense / shard[0] + elements_expert / shard[1]
         out.append({"params": params, "experts": experts, "grads": params * grad_copies(plan),
                     "optimizer": (8 + master) * owned,
-                    "shards": 2 * 4 * owned if plan.zero1 else 0.0,
+                    "shards": element * owned if plan.zero1 else 0.0,
                     "activations": per_mb * mbs * flight.get(rank, 1.0),
                     "transient": acts.transient * mbs})
     return out

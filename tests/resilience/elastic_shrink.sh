@@ -23,7 +23,7 @@ if pgrep -P "$b" | grep -qx "$store"; then victim=$a; survivor=$b; fi
 descendants() { for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done; }
 saver=$(pgrep -f "runtime.saver --run-id el$port" | tr '\n' '|'); saver=${saver%|}
 kill -9 "$victim" $(descendants "$victim" | grep -Evx "${saver:-none}")
-echo "killed node $victim at $(date +%T)"
+echo "killed node $victim at $(date +%T) (run id el$port, checkpoints in $d/ck)"
 wait "$survivor"; echo "survivor exit status $?"
 log=$d/a.log; [ "$survivor" = "$b" ] && log=$d/b.log
 grep -E "mxgraph\[|train loss" "$log" | tail -12

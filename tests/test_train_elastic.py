@@ -1,0 +1,42 @@
+"""A node that does not come back: `mxgraph train --nnodes 1:2` goes on without it.
+
+tests/resilience/elastic_shrink.sh starts two torchrun agents ("nodes", 2 workers each)
+under one rendezvous and SIGKILLs the node that does not host the rendezvous store, with
+its workers, after the checkpoint of step 10. The survivor must restart by itself, resume
+from the newest committed disk checkpoint (the dead node's shared memory is gone with it)
+at 2 processes instead of 4, say that data parallelism shrank, and train to the last step.
+"""
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mxgraph.runtime.shm import segment_prefix
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "resilience"))
+from drill import processes_mentioning  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "resilience", "elastic_shrink.sh")
+
+
+@pytest.mark.slow
+def test_a_node_lost_for_good_shrinks_dp_and_training_goes_on(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    done = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=400,
+                          check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "survivor exit status 0" in out, out
+    run_id, checkpoints = re.search(r"\(run id (\S+), checkpoints in (\S+)\)", out).groups()
+    resumed = re.search(r"restart 1 \(at most 3\): resumed at step (\d+) from disk", out)
+    assert resumed and int(resumed.group(1)) >= 10, out
+    assert "the job runs on 2 process(es) now, the checkpoint was saved on 4: data " \
+           "parallelism is 2 now" in out, out
+    final = re.search(r"train loss (\d+\.\d+) \| validation loss (\d+\.\d+)", out)
+    assert final and float(final.group(1)) < 6.0, out  # a sane loss (random init: ln 256 = 5.5)
+    assert not glob.glob(f"/dev/shm/{segment_prefix(run_id)}*"), "shared memory left behind"
+    alive = processes_mentioning(checkpoints) + processes_mentioning(f"--run-id {run_id}")
+    assert not alive, f"processes of the run still alive: {alive}"
