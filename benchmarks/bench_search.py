@@ -11,7 +11,7 @@ Steps (each can be skipped; results of earlier steps are read back from `--out`)
    link) for `--steps` steps with `--batch-size` = global batch / dp. A wrapper around
    the command line (`--worker`) listens to every optimizer step through torch's global
    optimizer hooks: step time = the median interval between consecutive `optimizer.step()`
-   ends after `--warmup` steps, the slowest rank's median; one step (the last but one) is
+   ends after `--warmup` steps, the slowest rank's median; one step (the last) is
    profiled for memory and left out of the timing. Peak memory per rank = the bytes of
    every live tensor at that step's start (a `gc` walk over tensors: parameters, optimizer
    state, buffers, unique storages; gradients left out as `zero_grad` frees them, and the
@@ -145,7 +145,9 @@ def worker(out: str, steps: int, warmup: int, train_argv: list[str]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     ends: list[float] = []
     memory: dict = {}
-    profiled = steps - 2  # the step after this one's end is profiled
+    profiled = steps - 1  # the step after this one's end (the last) is profiled: the gc walk
+    # and the profiler's start run in this hook, inside the optimizer section, after the
+    # monitor's last full interval (`SECTION_STEPS`)
     state = {}
 
     def hook(optimizer, args, kwargs):

@@ -31,8 +31,11 @@ def test_a_node_lost_for_good_shrinks_dp_and_training_goes_on(tmp_path):
     assert done.returncode == 0, out
     assert "survivor exit status 0" in out, out
     run_id, checkpoints = re.search(r"\(run id (\S+), checkpoints in (\S+)\)", out).groups()
+    # the newest committed disk checkpoint when the node died (--save-every 5): the kill
+    # follows the log line of step 10's in-memory copy, and its disk write may still have
+    # been under way (then step 5's) or later ones done
     resumed = re.search(r"restart 1 \(at most 3\): resumed at step (\d+) from disk", out)
-    assert resumed and int(resumed.group(1)) >= 10, out
+    assert resumed and int(resumed.group(1)) % 5 == 0 and 5 <= int(resumed.group(1)) < 40, out
     assert "the job runs on 2 process(es) now, the checkpoint was saved on 4: data " \
            "parallelism is 2 now" in out, out
     final = re.search(r"train loss (\d+\.\d+) \| validation loss (\d+\.\d+)", out)
