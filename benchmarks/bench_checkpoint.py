@@ -18,7 +18,7 @@ into the live tensors (`restore(into=state)`), and with torch.load (new tensors)
 against the floor. It also measures the level-0 monitor's overhead
 as a % of llama-tiny's step time.
 
-    python benchmarks/bench_checkpoint.py --sizes 0.1,1 --json bench_checkpoint.json
+    python benchmarks/bench_checkpoint.py --sizes 0.1,1 --json bench_results/checkpoint.json
 
 Memory: a size S needs about 3*S GB free (state, two shm slots) plus slack; sizes that do
 not fit in MemAvailable are skipped with a note.
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="0.1,1", help="state sizes in GB, comma-separated")
     p.add_argument("--dir", default=None, help="folder for disk checkpoints (default: a temp "
                    "folder under /tmp, removed at the end)")
-    p.add_argument("--json", default="bench_checkpoint.json", help="where to write results")
+    p.add_argument("--json", default="bench_results/checkpoint.json", help="where to write results")
     p.add_argument("--monitor-steps", type=int, default=20, help="steps per timing block "
                    "(0 skips the monitor overhead measurement)")
     p.add_argument("--skip-baselines", action="store_true", help="only mxgraph and the floor")
@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)
     print(f"\nwrote {args.json}")
