@@ -25,8 +25,8 @@ Steps (each can be skipped; results of earlier steps are read back from `--out`)
    every measured plan; Spearman rank correlation of step times, median absolute step-time
    error, memory error, and the top-1 of `mxgraph search` for the same setting against the
    best measured plan (the top-1 is run with `mxgraph train` too when it is not among the
-   measured plans; when it is not the best measured plan, the two then run in turn
-   `--rounds` times each and their medians are compared, side by side).
+   measured plans; unless it is the best measured plan, it and the best measured plan run
+   in turn `--rounds` times each and their medians are compared, side by side).
 4. **scale** - the time `mxgraph search` takes for DeepSeek-V3 671B on 1024 H800s, and
    predicted vs published throughput for a few published layouts (PUBLISHED).
 
@@ -340,23 +340,26 @@ def predict_step(args, results: dict, device_path: Path, skip: set) -> None:
         best = search(settings[model], top_k=1).best[0]
         mine = [r for r in rows if r["model"] == model]
         best_measured = min(mine, key=lambda r: r["step_s"])
+        top[model] = {"top1": best.to_json(), "search_s": round(time.perf_counter() - started, 1),
+                      "best_measured": best_measured["name"],
+                      "best_measured_step_s": best_measured["step_s"]}
         same = [r for r in mine if _same(r, best)]
+        dp = NPROC // (best.plan.tp * best.plan.pp * best.plan.cp)
+        top1_run = (f"top-1 {model}", best.plan, args.global_batch // dp)
+        if args.rounds and (same[0] is not best_measured if same else "measure" not in skip):
+            side = side_by_side(args, model, top1_run, best_measured)
+            top[model].update(side_by_side=side, top1_vs_best=side["top1_vs_best"],
+                              top1_measured_step_s=statistics.median(side["top1_s"]))
+            continue
         if not same and "measure" not in skip:  # run the top-1 too
-            dp = NPROC // (best.plan.tp * best.plan.pp * best.plan.cp)
-            row = measure_one(args, f"top-1 {model}", model, best.plan, args.global_batch // dp,
-                              Path(args.out).parent / "search_plans")
+            name, plan, local = top1_run
+            row = measure_one(args, name, model, plan, local, Path(args.out).parent / "search_plans")
             print(f"measured the top-1 of {model}: " + (f"{row['step_s']:.3f} s/step"
                   if "error" not in row else "FAILED " + row["error"][-300:]), flush=True)
             same = [row] if "error" not in row else []
-        top[model] = {"top1": best.to_json(), "search_s": round(time.perf_counter() - started, 1),
-                      "best_measured": best_measured["name"],
-                      "best_measured_step_s": best_measured["step_s"],
-                      "top1_measured_step_s": same[0]["step_s"] if same else None}
+        top[model]["top1_measured_step_s"] = same[0]["step_s"] if same else None
         if same:
             top[model]["top1_vs_best"] = same[0]["step_s"] / best_measured["step_s"] - 1
-        if same and same[0] is not best_measured and args.rounds:
-            top[model]["side_by_side"] = side_by_side(args, model, best, best_measured)
-            top[model]["top1_vs_best"] = top[model]["side_by_side"]["top1_vs_best"]
     summary["top1"] = top
     results["summary"] = summary
     print(f"{'plan':<24} {'measured s':>10} {'predicted s':>11} {'error':>7} "
@@ -368,14 +371,14 @@ def predict_step(args, results: dict, device_path: Path, skip: set) -> None:
     print(json.dumps(summary, indent=1))
 
 
-def side_by_side(args, model: str, best, best_measured: dict) -> dict:
-    """The search's top-1 and the best measured plan, run in turn `--rounds` times each (one
-    machine state for both: two runs of one plan differ by up to ~15% on this 2-vCPU VM);
-    the medians' ratio is the top-1's distance from the best."""
+def side_by_side(args, model: str, top1_run: tuple, best_measured: dict) -> dict:
+    """The search's top-1 (`top1_run`: name, Plan, sequences per data-parallel rank) and the
+    best measured plan, run in turn `--rounds` times each (one machine state for both: two
+    runs of one plan differ by up to ~17% on this 2-vCPU VM); the medians' ratio is the
+    top-1's distance from the best."""
     from mxgraph.plan import Plan
     workdir = Path(args.out).parent / "search_plans"
-    dp = NPROC // (best.plan.tp * best.plan.pp * best.plan.cp)
-    runs = {"top1": (f"top-1 {model}", best.plan, args.global_batch // dp),
+    runs = {"top1": top1_run,
             "best": (best_measured["name"], Plan.from_toml(best_measured["plan_path"]),
                      best_measured["batch_per_dp_rank"])}
     times = {key: [] for key in runs}

@@ -6,7 +6,6 @@ its workers, after the checkpoint of step 10. The survivor must restart by itsel
 from the newest committed disk checkpoint (the dead node's shared memory is gone with it)
 at 2 processes instead of 4, say that data parallelism shrank, and train to the last step.
 """
-import glob
 import os
 import re
 import subprocess
@@ -14,10 +13,8 @@ import sys
 
 import pytest
 
-from mxgraph.runtime.shm import segment_prefix
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "resilience"))
-from drill import processes_mentioning  # noqa: E402
+from drill import assert_clean  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "resilience", "elastic_shrink.sh")
 
@@ -40,6 +37,4 @@ def test_a_node_lost_for_good_shrinks_dp_and_training_goes_on(tmp_path):
            "parallelism is 2 now" in out, out
     final = re.search(r"train loss (\d+\.\d+) \| validation loss (\d+\.\d+)", out)
     assert final and float(final.group(1)) < 6.0, out  # a sane loss (random init: ln 256 = 5.5)
-    assert not glob.glob(f"/dev/shm/{segment_prefix(run_id)}*"), "shared memory left behind"
-    alive = processes_mentioning(checkpoints) + processes_mentioning(f"--run-id {run_id}")
-    assert not alive, f"processes of the run still alive: {alive}"
+    assert_clean(run_id, checkpoints)  # the saver's command line names the checkpoints too

@@ -22,7 +22,7 @@ from mxgraph.runtime.shm import segment_prefix
 from mxgraph.train import TrainConfig, train
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "resilience"))
-from drill import Kill, processes_mentioning, run_drill  # noqa: E402
+from drill import Kill, assert_clean, run_drill  # noqa: E402
 
 TINY = ["--model", "llama-tiny", "--batch-size", "2", "--seq-len", "16", "--val-batches", "1",
         "--lr", "1e-3", "--no-progress"]
@@ -34,11 +34,6 @@ def _final_state(checkpoint_dir: str, step: int) -> dict:
     return disk.load(path, source_rank=0)
 
 
-def _assert_clean(run_id: str, checkpoint_dir: str) -> None:
-    assert not glob.glob(f"/dev/shm/{segment_prefix(run_id)}*"), "shared memory left behind"
-    assert not processes_mentioning(checkpoint_dir), "a process of the run is still alive"
-
-
 @pytest.mark.slow
 def test_drill_three_workers_and_the_saver_killed_ends_bitwise_equal(tmp_path):
     steps, every = 30, 5
@@ -47,7 +42,7 @@ def test_drill_three_workers_and_the_saver_killed_ends_bitwise_equal(tmp_path):
     ref_id, drill_id = f"ref-{uuid.uuid4().hex[:8]}", f"drill-{uuid.uuid4().hex[:8]}"
     ref = run_drill([*common, "--checkpoint-dir", ref_dir], kills=[], run_id=ref_id)
     assert ref.returncode == 0, ref.output[-4000:]
-    _assert_clean(ref_id, ref_dir)
+    assert_clean(ref_id, ref_dir)
     kills = [Kill("worker", 5), Kill("saver", 10), Kill("worker", 15), Kill("worker", 20)]
     got = run_drill([*common, "--max-restarts", "5", "--checkpoint-dir", drill_dir],
                     kills=kills, run_id=drill_id, seed=1)
@@ -57,7 +52,7 @@ def test_drill_three_workers_and_the_saver_killed_ends_bitwise_equal(tmp_path):
     for restart, step, source, lost in got.restarts:
         print(f"restart {restart}: resumed at step {step} from {source}; {lost:.1f} s lost")
         assert source in ("memory", "disk") and lost > 0 or source == "none" and step == 0
-    _assert_clean(drill_id, drill_dir)
+    assert_clean(drill_id, drill_dir)
     want, have = _final_state(ref_dir, steps), _final_state(drill_dir, steps)
     assert want["model"].keys() == have["model"].keys()
     for name, tensor in want["model"].items():

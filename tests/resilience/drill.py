@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import os
 import random
 import re
@@ -76,6 +77,14 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline:
             found.append(int(entry))
     return found
+
+
+def assert_clean(run_id: str, checkpoint_dir: str) -> None:
+    """After a run: no shared-memory segment of `run_id` and no process whose command line
+    names `checkpoint_dir` (workers, agents, the saver) is left."""
+    from mxgraph.runtime.shm import segment_prefix
+    assert not glob.glob(f"/dev/shm/{segment_prefix(run_id)}*"), "shared memory left behind"
+    assert not processes_mentioning(checkpoint_dir), "a process of the run is still alive"
 
 
 def _victim(target: str, top: int, run_id: str, rng: random.Random) -> int | None:
