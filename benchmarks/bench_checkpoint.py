@@ -46,9 +46,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mxgraph.runtime import checkpoint_disk as disk, saver  # noqa: E402
-from mxgraph.runtime.checkpoint import FlashCheckpointer  # noqa: E402
-from mxgraph.runtime.monitor import StepMonitor  # noqa: E402
+from mxgraph.runtime.checkpoint import disk, saver  # noqa: E402
+from mxgraph.runtime.checkpoint.flash import FlashCheckpointer  # noqa: E402
+from mxgraph.runtime.monitor.slow_node import StepMonitor  # noqa: E402
 
 CHUNK = 16 << 20  # fp32 elements per tensor (64 MB)
 REPEATS = 5  # background saves per size; the median is reported
@@ -96,7 +96,7 @@ def bench_floor(state: dict) -> float:
         os.posix_fallocate(fd, 0, total)
         buf = torch.frombuffer(mmap.mmap(fd, total, flags=mmap.MAP_SHARED), dtype=torch.uint8)
 
-        def copy():
+        def copy(buf=buf):
             off = 0
             for t in tensors:
                 nb = t.numel() * 4
@@ -129,7 +129,7 @@ def bench_mxgraph(state: dict, root: str) -> dict:
     out["mxgraph background: save returns"] = statistics.median(returns)
     out["mxgraph background: wait after a step as long as a copy"] = statistics.median(waits)
     out["mxgraph background: blocking in all"] = statistics.median(
-        r + w for r, w in zip(returns, waits))
+        r + w for r, w in zip(returns, waits, strict=True))
     while saver.saver_pid(run_id) is None:  # time the disk write, not the saver's start-up
         time.sleep(0.01)
     t0 = time.perf_counter()

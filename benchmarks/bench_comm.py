@@ -326,10 +326,10 @@ def _time_rank(rank, world, fields, batch, seq, steps, results):
 def part2(args) -> list[dict]:
     import torch.multiprocessing as mp
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/
-    from tests.distributed import run_ranks
     import models
     from mxgraph.comm import comm_report
     from mxgraph.plan import Plan
+    from tests.distributed import run_ranks
     results = mp.get_context("spawn").Manager().list()
     for fields in (dict(tp=2), dict(dp=2)):
         print(f"timing llama-20m {fields} on gloo ...", file=sys.stderr, flush=True)

@@ -252,7 +252,7 @@ def run_case(case: Case, args, device: str, copy_gbps: float) -> list[dict]:
             row = dict(kernel=case.kernel, shape=case.shape, phase=phase, impl=name)
             try:
                 if phase == "fwd":
-                    def step(fn=fn):
+                    def step(fn=fn, inputs=inputs):
                         with torch.no_grad():
                             fn(*inputs)
                 else:
@@ -381,7 +381,7 @@ def bench_llama_fusion(args, device: str, copy_gbps: float) -> list[dict]:
         losses[impl] = step(tokens, targets).float().item()
         compile_s = time.perf_counter() - start
 
-        def run():
+        def run(step=step):
             model.zero_grad(set_to_none=True)
             return step(tokens, targets)
         ms = time_ms(run, device, args.warmup, args.iters)

@@ -73,7 +73,7 @@ def _expert_variants(weights, x_ND, grad_ND, counts, C: int) -> dict:
     ends = offs.tolist()
     starts = [0] + ends[:-1]
     x_ECD = torch.zeros(E, C, D)
-    for e, (s, t) in enumerate(zip(starts, ends)):
+    for e, (s, t) in enumerate(zip(starts, ends, strict=True)):
         x_ECD[e, :min(C, t - s)] = x_ND[s:min(t, s + C)]
     grad_ECD = torch.randn(E, C, D, generator=torch.Generator().manual_seed(1))
     gmm = torch.ops.mxgraph.grouped_mm
@@ -91,7 +91,7 @@ def _expert_variants(weights, x_ND, grad_ND, counts, C: int) -> dict:
     def loop():
         x = x_ND.detach().requires_grad_()
         outs = [F.linear(F.silu(F.linear(x[s:t], w_gate[e])) * F.linear(x[s:t], w_up[e]),
-                         w_down[e]) for e, (s, t) in enumerate(zip(starts, ends))]
+                         w_down[e]) for e, (s, t) in enumerate(zip(starts, ends, strict=True))]
         torch.cat(outs).backward(grad_ND)
     return {"grouped_mm": grouped, "bmm": batched, "loop": loop}
 

@@ -36,8 +36,8 @@ import torch
 
 import models
 import mxgraph as mx
-from mxgraph.runtime.monitor import MonitorConfig, StepMonitor
-from mxgraph.runtime.programs import Program
+from mxgraph.runtime.monitor.slow_node import MonitorConfig, StepMonitor
+from mxgraph.runtime.pipeline.programs import Program
 
 VARIANTS = ("off", "off_again", "level0", "level1", "level2")
 """`off_again`, a second unmonitored step, shows the noise floor: its 'overhead' is none."""

@@ -76,7 +76,7 @@ def worker(args) -> None:
             opt = torch.optim.AdamW(step.parameters() if "pp" not in fields else
                                     model.parameters(), lr=1e-4)
 
-            def train_step():
+            def train_step(step=step, opt=opt):
                 step(tokens, targets)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
@@ -110,9 +110,9 @@ def _peer_row(args, rank, tokens, targets, traces) -> dict:
     """torch.distributed.pipelining's Schedule1F1B on the same link: the peer for pp2."""
     import torch
     import torch.distributed.pipelining as pipelining
+    from bench_pipeline_real import StageModule, _loss
 
     import models
-    from bench_pipeline_real import StageModule, _loss
     torch.manual_seed(0)
     model = models.build_model(args.model)
     per = model.config.n_layers // 2

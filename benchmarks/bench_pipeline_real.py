@@ -77,7 +77,7 @@ def run_rank(rank, world, args, results):
                                          else 1, schedule=schedule,
                                          micro_batches=args.microbatches))
 
-        def mx_step():
+        def mx_step(step=step, model=model):
             step(tokens, targets)
             model.zero_grad(set_to_none=True)
         mx_time = _time(mx_step, args.steps)
@@ -96,7 +96,7 @@ def run_rank(rank, world, args, results):
         sched = cls(stages[0] if torch_name == "Schedule1F1B" else stages,
                     n_microbatches=args.microbatches, loss_fn=_loss)
 
-        def torch_step():
+        def torch_step(mine=mine, num_stages=num_stages, sched=sched, peer=peer):
             kwargs = {}
             if 0 in mine:
                 kwargs["x"] = tokens

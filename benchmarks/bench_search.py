@@ -280,14 +280,14 @@ def spearman(xs: list[float], ys: list[float]) -> float:
         return out
     rx, ry = ranks(xs), ranks(ys)
     n = len(xs)
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
 
 
 def _setting(model: str, device, args):
     import dataclasses
 
     import models
-    from mxgraph.search.predict import Setting
+    from mxgraph.search.setting import Setting
     config = models.preset_config(model)
     if model.startswith("moe"):
         config = dataclasses.replace(config, expert_impl="grouped_mm")
@@ -316,8 +316,8 @@ def later_steps(args, results: dict, skip: set) -> None:
 def predict_step(args, results: dict, device_path: Path, skip: set) -> None:
     from mxgraph.plan import Plan
     from mxgraph.search.cli import evaluate
-    from mxgraph.search.device import load_device
     from mxgraph.search.enumerate import search
+    from mxgraph.search.profiles import load_device
     device = load_device(str(device_path))
     settings = {}
     rows = [r for r in results.get("measured", []) if "error" not in r]
@@ -420,8 +420,9 @@ def scale_step(args, results: dict) -> None:
 
     import models
     from mxgraph.plan import Plan
-    from mxgraph.search.device import load_device
-    from mxgraph.search.predict import Setting, predict
+    from mxgraph.search.predict import predict
+    from mxgraph.search.profiles import load_device
+    from mxgraph.search.setting import Setting
     published = []
     for what, model, device, gpus, batch, seq, fields, mbs, tokens, source in PUBLISHED:
         setting = Setting(models.preset_config(model), load_device(device), gpus, batch, seq,

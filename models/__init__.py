@@ -52,10 +52,8 @@ def build_from_config(config, *, device="cpu", dtype: torch.dtype = torch.float3
     Parameters are created directly on ``device`` (``"meta"`` allocates nothing) and initialised
     in float32 under the current torch seed, then cast to ``dtype`` (buffers stay float32).
     """
-    for family, cls in FAMILIES.items():
-        if isinstance(config, _config_type(family)):
-            break
-    else:
+    cls = next((cls for family, cls in FAMILIES.items() if isinstance(config, _config_type(family))), None)
+    if cls is None:
         raise TypeError(f"no model family for config type {type(config).__name__}")
     with torch.device(device):
         model = cls(config)

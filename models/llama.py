@@ -13,8 +13,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from models.common import (RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, causal_attention,
-                           init_normal_, lm_loss, repeat_kv)
+from models.common import (
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    apply_rope,
+    causal_attention,
+    init_normal_,
+    lm_loss,
+    repeat_kv,
+)
 
 
 @dataclass(kw_only=True)

@@ -38,8 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.common import (RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, causal_attention,
-                           init_normal_, lm_loss)
+from models.common import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, causal_attention, init_normal_, lm_loss
 from models.llama import GQAttention
 from mxgraph.codegen.kernels.grouped_mm import grouped_mm
 

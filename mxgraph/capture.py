@@ -102,7 +102,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> ForwardGraph:
     user_leaves = pytree.tree_leaves((args, kwargs))
     _check_user_inputs(signature, user_leaves)
     gm = ep.graph_module
-    for node, slot in zip(gm.graph.find_nodes(op="placeholder"), slots):
+    for node, slot in zip(gm.graph.find_nodes(op="placeholder"), slots, strict=True):
         node.meta["mx_slot_kind"], node.meta["mx_slot_key"] = slot.kind, slot.key
     annotate_modules(gm)
     return ForwardGraph(gm=gm, slots=slots, constants=dict(ep.constants))
@@ -134,7 +134,7 @@ def _check_user_inputs(signature, leaves) -> None:
     if len(user_specs) != len(leaves):
         raise TraceError(f"forward takes {len(leaves)} input leaves but the traced graph "
                          f"has {len(user_specs)}; pass tensors, ints and floats only")
-    for spec, leaf in zip(user_specs, leaves):
+    for spec, leaf in zip(user_specs, leaves, strict=True):
         if isinstance(spec.arg, TensorArgument) != isinstance(leaf, torch.Tensor):
             raise TraceError(f"input {spec.arg} does not match the value {type(leaf)}")
 

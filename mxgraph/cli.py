@@ -55,7 +55,7 @@ def _field_docs(cls) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
-    for stmt, following in zip(body, body[1:]):
+    for stmt, following in zip(body, body[1:], strict=False):
         if isinstance(stmt, ast.AnnAssign) and isinstance(following, ast.Expr) and \
                 isinstance(following.value, ast.Constant):
             docs[stmt.target.id] = " ".join(str(following.value.value).split())
@@ -174,7 +174,7 @@ def _train(args) -> int:
         if args.profile:
             print(f"profiler traces (one per rank): {args.profile}/rank*.json; read them with "
                   f"mxgraph inspect --overlap {args.profile}")
-    from mxgraph.runtime.launch import close_process_group
+    from mxgraph.runtime.cluster.launch import close_process_group
     close_process_group()  # under torchrun: every rank ends its groups before exiting
     return 0
 

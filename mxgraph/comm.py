@@ -6,14 +6,14 @@
 
 Everything is read from what the compiler produced, not from formulas:
 * **graph** collectives: every call_function node whose target is an `mxgraph::` op with
-  a non-None kind in `collectives.KIND` (`comm_graph.py`), in each of this rank's stages'
+  a non-None kind in `collectives.groups.KIND` (`comm_graph.py`), in each of this rank's stages'
   F/B/W programs (the joint graph after the joint passes, cut by the B/W split: the
   forward, and the backward AOTAutograd derived from each op's registered autograd; a
   value remat recomputes is a second node), once per action this rank's schedule runs
   (without pipelining: one stage, F and BW once per micro-batch); phase "forward" in F,
   "backward" in B and W.
 * **runtime** collectives (phase "runtime") that `Step` runs outside the graphs: the
-  data-parallel reduction, one collective per gradient bucket as `runtime/data_parallel.py`
+  data-parallel reduction, one collective per gradient bucket as `runtime/data_parallel/buckets.py`
   lays out this rank's parameters (an all-reduce over dp, expert buckets over edp; with
   cp > 1 over dp_cp and edp_cp, summing the sequence parts too; with `zero1` a
   reduce-scatter of the gradients plus an all-gather of the updated parameters), and of
@@ -34,9 +34,9 @@ import torch
 from mxgraph.comm_graph import KINDS, CommEntry, graph_entries, tensor_bytes
 from mxgraph.context import CompileContext
 from mxgraph.driver import check_plan, compile_step, fake_model, paper_mesh
-from mxgraph.runtime.data_parallel import Bucket, bucket_layout
-from mxgraph.runtime.pipeline import PipelineExecutor
-from mxgraph.schedules import B, BW, F, SEND_B, SEND_F, W
+from mxgraph.runtime.data_parallel.buckets import Bucket, bucket_layout
+from mxgraph.runtime.pipeline.executor import PipelineExecutor
+from mxgraph.schedules import BW, SEND_B, SEND_F, B, F, W
 
 AXIS_ORDER = ("tp", "cp", "ep", "dp", "edp", "dp_cp", "edp_cp", "pp")
 PHASES = ("forward", "backward", "runtime")  # runtime: by Step, outside the graphs
@@ -102,7 +102,7 @@ def _order(names: tuple, name: str) -> int:
 # ---- runtime collectives ----------------------------------------------------------------
 def data_parallel_entries(buckets: list[Bucket], zero1: bool) -> list[CommEntry]:
     """The data-parallel reduction `Step` runs after the graphs, one collective per
-    gradient bucket of this rank's parameters (`runtime/data_parallel.py`: expert buckets
+    gradient bucket of this rank's parameters (`runtime/data_parallel/buckets.py`: expert buckets
     over "edp", others over "dp"; "edp_cp" and "dp_cp" with cp > 1): an all-reduce of the
     padded bucket, or with zero1 its reduce-scatter plus the all-gather of the updated
     parameters."""

@@ -3,9 +3,9 @@
 Below the passes (the runner counts each graph's communication for the dump summary) and
 below the communication report (`mxgraph.comm`), which adds what the runtime moves.
 
-Volume convention (`runtime/collectives.py`): one call moves the full tensor's bytes (the
+Volume convention (`runtime/collectives/tp.py`): one call moves the full tensor's bytes (the
 all-reduce's tensor, the all-gather's output, the reduce-scatter's and all-to-all's input;
-an op's own rule in `collectives.VOLUME` where it has one), as Megatron-LM's formulas
+an op's own rule in `collectives.groups.VOLUME` where it has one), as Megatron-LM's formulas
 count, not a ring's wire bytes. Data-dependent sizes (MoE token counts) count at the upper
 bound their `torch._check`s give (`cost.concrete`), or by a caller's rule.
 """
@@ -18,7 +18,7 @@ import torch
 
 from mxgraph.cost import concrete, tensor_meta
 from mxgraph.ir import schema_arg
-from mxgraph.runtime.collectives import KIND, VOLUME
+from mxgraph.runtime.collectives.groups import KIND, VOLUME
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send")
 FUNCTIONAL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
@@ -67,7 +67,7 @@ def tensor_bytes(value, unbacked=None) -> int:
 
 def collective_call(node: torch.fx.Node, unbacked=None) -> tuple[str, str, int] | None:
     """(kind, group name, bytes) of a node that runs a KIND-listed mxgraph collective,
-    else None. Bytes: `collectives.VOLUME`'s rule for the op if it has one, else per the
+    else None. Bytes: `collectives.groups.VOLUME`'s rule for the op if it has one, else per the
     convention (the all-gather's output, otherwise the tensor it is given); unbacked
     sizes as in `size`."""
     target = node.target

@@ -6,7 +6,7 @@ import torch
 from mxgraph.driver import check_plan
 from mxgraph.errors import PlanError
 from mxgraph.plan import Plan
-from mxgraph.runtime.launch import init_from_environment
+from mxgraph.runtime.cluster.launch import init_from_environment
 from mxgraph.step import Step, TrainingStep
 from mxgraph.step_adaptive import AdaptiveMoEStep
 

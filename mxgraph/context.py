@@ -14,7 +14,7 @@ class CompileContext:
 
     plan: Plan
     mesh: object | None = None
-    """This rank's `runtime.mesh.Mesh` (None: one device)."""
+    """This rank's `runtime.cluster.mesh.Mesh` (None: one device)."""
     dump_dir: Path | None = None
     monitor_level: int = 0
     """The level of the step's slow-node monitor (`Step.set_monitor`): 1 or more makes

@@ -26,8 +26,8 @@ from mxgraph.passes.pipeline import ALL_PASSES, EVAL_PIPELINE, PIPELINE, check_p
 from mxgraph.passes.runner import PassSpec, run_pass, run_step
 from mxgraph.passes.steps import Compilation
 from mxgraph.plan import Plan, require_built
-from mxgraph.runtime.mesh import Mesh
-from mxgraph.runtime.pipeline import split_microbatches
+from mxgraph.runtime.cluster.mesh import Mesh
+from mxgraph.runtime.pipeline.executor import split_microbatches
 from mxgraph.schedules import build_schedule, validate
 
 

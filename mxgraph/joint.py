@@ -13,10 +13,14 @@ from dataclasses import dataclass
 
 import torch
 from torch._functorch._aot_autograd.descriptors import (
-    BufferAOTInput, GradAOTOutput, ParamAOTInput, PlainAOTInput, PlainAOTOutput,
-    TangentAOTInput)
+    BufferAOTInput,
+    GradAOTOutput,
+    ParamAOTInput,
+    PlainAOTInput,
+    PlainAOTOutput,
+    TangentAOTInput,
+)
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-
 from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -43,7 +47,7 @@ class _GraphModule(torch.nn.Module):
         super().__init__()
         self.graph_module = forward.gm
         self.tensor_slots = [s for s in forward.slots if s.kind != "input"]
-        for i, (slot, tensor) in enumerate(zip(self.tensor_slots, tensors)):
+        for i, (slot, tensor) in enumerate(zip(self.tensor_slots, tensors, strict=True)):
             if slot.kind == "param":
                 self.register_parameter(f"t{i}", tensor)
             else:

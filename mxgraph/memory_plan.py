@@ -38,13 +38,13 @@ import torch
 
 from mxgraph.context import CompileContext
 from mxgraph.driver import compile_step, fake_model
+from mxgraph.ir import ATTENTION_OPS, fused_kind, packet
 from mxgraph.memory import estimate_peak
 from mxgraph.memory_saved import node_bytes, saved_roots, size_hints
-from mxgraph.passes.remat import apply_remat
-from mxgraph.ir import ATTENTION_OPS, fused_kind, packet
-from mxgraph.passes.remat_regions import Graph, all_units, norm_units
+from mxgraph.passes.memory.regions import Graph, all_units, norm_units
+from mxgraph.passes.memory.remat import apply_remat
 from mxgraph.plan import Plan
-from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.cluster.mesh import Mesh
 from mxgraph.schedules import build_schedule, simulate
 
 _GiB = 2 ** 30
@@ -146,13 +146,13 @@ def trace_layer_activations(config, plan: Plan, batch_size: int, seq_len: int,
         base = trace(n_layers=2, n_dense_layers=1)
         more_moe = trace(n_layers=3, n_dense_layers=1)
         more_dense = trace(n_layers=3, n_dense_layers=2)
-        moe = [a - b for a, b in zip(more_moe, base)]
-        dense = [a - b for a, b in zip(more_dense, base)]
-        other = [b - d - m for b, d, m in zip(base, dense, moe)]
+        moe = [a - b for a, b in zip(more_moe, base, strict=True)]
+        dense = [a - b for a, b in zip(more_dense, base, strict=True)]
+        other = [b - d - m for b, d, m in zip(base, dense, moe, strict=True)]
     else:  # one kind of layer (dense, or all MoE when n_dense_layers == 0)
         one, two = trace(n_layers=1), trace(n_layers=2)
-        layer = [a - b for a, b in zip(two, one)]
-        other = [a - b for a, b in zip(one, layer)]
+        layer = [a - b for a, b in zip(two, one, strict=True)]
+        other = [a - b for a, b in zip(one, layer, strict=True)]
         dense, moe = (layer, [0] * 4) if n_dense is None else ([0] * 4, layer)
     layer_bytes = max(dense[0], moe[0], 1)
     whole = dense[2] if dense[0] >= moe[0] else moe[2]
@@ -284,7 +284,7 @@ def plot(stages: list[StageMemory], path, title: str = "") -> None:
     for part in parts:
         values = [getattr(s, part) / _GiB for s in stages]
         ax.bar(xs, values, 0.6, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     host = [s.offloaded / _GiB for s in stages]
     if any(host):
         ax.bar([x + 0.35 for x in xs], host, 0.1, label="offloaded (host)", hatch="//")

@@ -187,7 +187,7 @@ def plot_timeline(paths: list[str | Path], png: str | Path) -> None:
     import matplotlib.patches
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.9 * len(paths)))
-    colours = dict(zip(KINDS, plt.get_cmap("tab10").colors))
+    colours = dict(zip(KINDS, plt.get_cmap("tab10").colors, strict=False))
     labels, seen = [], set()  # y tick labels; the kinds in the legend
     for row, path in enumerate(paths):
         events, info = load_events(path)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tomllib
 
 from mxgraph.errors import PlanError
 
@@ -94,7 +95,7 @@ class OverlapOptions:
     DualPipeV's F&B pairs interleaved."""
     copy_engine: bool = False
     """The data-parallel buckets' reductions and ZeRO-1's gathers run off the compute lane
-    (`runtime/copy_engine.py`): on the CPU a separate thread; on a GPU a dedicated stream,
+    (`runtime/data_parallel/copy_engine.py`): on the CPU a separate thread; on a GPU a dedicated stream,
     through the collective library (copy-engine kernels are not built yet: needs
     `fallback=True` there)."""
     fallback: bool = False
@@ -133,7 +134,7 @@ class Plan:
     slower; each such op is listed in the dump's findings.txt either way)."""
     zero1: bool = False
     """Shard optimizer state over the data-parallel ranks (ZeRO stage 1): `step.parameters()`
-    are then this rank's flat shards, one per gradient bucket (see runtime/data_parallel.py)."""
+    are then this rank's flat shards, one per gradient bucket (see runtime/data_parallel/buckets.py)."""
     bucket_mb: float = 25.0
     """Size cap in MiB of a gradient bucket: data-parallel gradients move in one collective
     per bucket."""

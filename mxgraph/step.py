@@ -22,14 +22,14 @@ from mxgraph.driver import compile_step
 from mxgraph.errors import PlanError
 from mxgraph.plan import Plan
 from mxgraph.runtime import moe_stats
-from mxgraph.runtime.data_parallel import DataParallel, bucket_layout
-from mxgraph.runtime.copy_engine import TransferLane
-from mxgraph.runtime.dp_overlap import BucketOverlap
+from mxgraph.runtime.cluster.mesh import Mesh
+from mxgraph.runtime.data_parallel.buckets import DataParallel, bucket_layout
+from mxgraph.runtime.data_parallel.copy_engine import TransferLane
+from mxgraph.runtime.data_parallel.overlap import BucketOverlap
 from mxgraph.runtime.grad_norm import clip_grad_norm_
-from mxgraph.runtime.mesh import Mesh
-from mxgraph.runtime.monitor import StepMonitor, timed
+from mxgraph.runtime.monitor.slow_node import StepMonitor, timed
 from mxgraph.runtime.param_layout import ParamLayout
-from mxgraph.runtime.pipeline import PipelineExecutor, split_microbatches
+from mxgraph.runtime.pipeline.executor import PipelineExecutor, split_microbatches
 
 
 class TrainingStep(Protocol):
@@ -105,15 +105,15 @@ class Step:
         (runtime/param_layout.py): tp dim and blocks, experts over "ep"."""
         self.data_parallel: DataParallel | None = None
         """This rank's gradient buckets (and ZeRO-1 shards), built after the first compile
-        (runtime/data_parallel.py)."""
+        (runtime/data_parallel/buckets.py)."""
         self.bucket_overlaps: dict[int, BucketOverlap] = {}
         """id(executor) -> its bucket reductions during the backward
-        (`Plan.overlap.dp_buckets`; runtime/dp_overlap.py)."""
+        (`Plan.overlap.dp_buckets`; runtime/data_parallel/overlap.py)."""
         self.monitor: StepMonitor | None = None
         """The slow-node monitor the step times its sections into (`set_monitor`)."""
 
     def set_monitor(self, monitor: StepMonitor | None) -> None:
-        """Time every later call's sections into `monitor` (`runtime/monitor.py`; None:
+        """Time every later call's sections into `monitor` (`runtime/monitor/slow_node.py`; None:
         stop), on the clock of the step's device (`monitor.use_device(mesh.device)`).
 
         Level 0: "forward_backward" (compute: the F/B/W programs of every action),
@@ -235,7 +235,7 @@ class Step:
 
     def _bucket_overlap(self, executor: PipelineExecutor) -> BucketOverlap | None:
         """With `Plan.overlap.dp_buckets` and gradients to reduce: the reductions that
-        start during this step's backward (runtime/dp_overlap.py)."""
+        start during this step's backward (runtime/data_parallel/overlap.py)."""
         overlap = self.plan.overlap
         if overlap is None or not overlap.dp_buckets or not self._reduces():
             return None
@@ -296,8 +296,8 @@ class Step:
                               overlap: BucketOverlap | None = None) -> torch.Tensor:
         """Average loss and gradients over the data-parallel group, gradients summed over
         the context-parallel one too (each rank's cover its part of the sequence:
-        passes/shard_cp.py); bucket by bucket, reduce-scattered into the shards under zero1
-        (runtime/data_parallel.py)."""
+        passes/sharding/cp.py); bucket by bucket, reduce-scattered into the shards under zero1
+        (runtime/data_parallel/buckets.py)."""
         dp = self.mesh.sizes["dp"]
         if not self._reduces():
             return loss

@@ -11,7 +11,7 @@ import torch
 
 from mxgraph.plan import Plan
 from mxgraph.runtime.adaptive import count_tokens_per_rank, log, variant_plans
-from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.cluster.mesh import Mesh
 from mxgraph.step import Step
 
 

@@ -21,12 +21,12 @@ from mxgraph.data import Batches, load_tokens, split
 from mxgraph.errors import DataError, UserError
 from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
 from mxgraph.plan import Plan
-from mxgraph.runtime.checkpoint import FlashCheckpointer
-from mxgraph.runtime.checkpoint_disk import saved_world_size
-from mxgraph.runtime.checkpoint_state import apply_training_state, capture_training_state
-from mxgraph.runtime.device import detect
-from mxgraph.runtime.launch import init_from_environment
-from mxgraph.runtime.monitor import MonitorConfig, StepMonitor
+from mxgraph.runtime.checkpoint.disk import saved_world_size
+from mxgraph.runtime.checkpoint.flash import FlashCheckpointer
+from mxgraph.runtime.checkpoint.state import apply_training_state, capture_training_state
+from mxgraph.runtime.cluster.device import detect
+from mxgraph.runtime.cluster.launch import init_from_environment
+from mxgraph.runtime.monitor.slow_node import MonitorConfig, StepMonitor
 
 log = logging.getLogger("mxgraph.train")
 

@@ -52,7 +52,7 @@ def _detach(dup) -> int:
 
 
 def _worker(rank, world, port, env, fds, fn, args, errors):
-    for fd, target in zip(fds, (1, 2)):  # print where a spawned rank would: the caller's
+    for fd, target in zip(fds, (1, 2), strict=True):  # print where a spawned rank would: the caller's
         os.dup2(fd, target)              # stdout and stderr (pytest's capture)
         os.close(fd)
     os.environ.clear()

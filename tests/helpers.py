@@ -27,7 +27,7 @@ def eager_step(model, *args):
 
 
 def assert_grads_close(model, reference, tol: float) -> None:
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         if q.grad is None:
             assert p.grad is None, f"{name}: eager has no gradient, compiled has one"
             continue

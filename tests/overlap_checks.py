@@ -68,7 +68,7 @@ def compare(rank, name, plan_kwargs, overlap=True, model_kwargs=None, tol=None, 
     (loss_a, grads_a, params_a), (loss_b, grads_b, params_b) = results
     label = f"{name} {plan_kwargs} overlap={overlap}"
     assert grads_a.keys() == grads_b.keys(), label
-    for a, b in zip(loss_a, loss_b):
+    for a, b in zip(loss_a, loss_b, strict=True):
         _same(a, b, tol, f"{label}: loss")
     for key in grads_a:
         _same(grads_a[key], grads_b[key], tol, f"{label}: grad {key}")

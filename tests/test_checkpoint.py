@@ -9,10 +9,14 @@ import warnings
 import pytest
 import torch
 
-from mxgraph.runtime import checkpoint_disk as disk
-from mxgraph.runtime.checkpoint import FlashCheckpointer, Shard, apply_training_state, \
-    capture_training_state, newest_common_step
-from mxgraph.runtime.shm import WRITING, segment_prefix
+from mxgraph.runtime.checkpoint import disk
+from mxgraph.runtime.checkpoint.flash import (
+    FlashCheckpointer,
+    Shard,
+    apply_training_state,
+    capture_training_state,
+)
+from mxgraph.runtime.checkpoint.shm import WRITING, newest_common_step, segment_prefix
 
 
 def _tiny():
@@ -66,7 +70,7 @@ def test_memory_restore_continues_bitwise(tmp_path, run_id):
     assert apply_training_state(restored.state, model2, opt2, sched2) == 3
     assert restored.state["plan"] == {"dp": 1}
     _train(model2, opt2, sched2, 3)
-    for a, b in zip(expected, model2.parameters()):
+    for a, b in zip(expected, model2.parameters(), strict=True):
         assert torch.equal(a, b)
     second.close()
     first.close()
@@ -150,7 +154,7 @@ def test_disk_restore_skips_corrupt_and_uncommitted(tmp_path, run_id, caplog):
     assert shard in caplog.text and disk.step_dir(root, 2) in caplog.text
     model2, opt2, sched2 = _tiny()
     apply_training_state(got.state, model2, opt2, sched2)
-    for a, b in zip(params[1], model2.parameters()):
+    for a, b in zip(params[1], model2.parameters(), strict=True):
         assert torch.equal(a, b)
     fresh.close()
 
@@ -232,7 +236,7 @@ def test_shards_load_whole_at_another_world_size(tmp_path, run_id):
 
 
 def test_first_mismatch_names_the_tensor_and_both_shapes():
-    from mxgraph.runtime.checkpoint_match import first_mismatch, normalized, signature_of
+    from mxgraph.runtime.checkpoint.match import first_mismatch, normalized, signature_of
     f32 = torch.float32
     saved = normalized({"model/a": ((4, 4), f32), "model/b": ((4,), f32), "__rank1__/rank_local/x":
                         ((2,), torch.uint8), "optimizer/state/0/exp_avg": ((4, 4), f32)})

@@ -16,9 +16,9 @@ import uuid
 import pytest
 import torch
 
-from mxgraph.runtime import checkpoint_disk as disk
-from mxgraph.runtime.checkpoint import FlashCheckpointer
-from mxgraph.runtime.shm import segment_prefix
+from mxgraph.runtime.checkpoint import disk
+from mxgraph.runtime.checkpoint.flash import FlashCheckpointer
+from mxgraph.runtime.checkpoint.shm import segment_prefix
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def test_saver_flushes_a_dead_workers_snapshot_and_cleans_up(tmp_path):
     run_id = f"test-{uuid.uuid4().hex[:10]}"
     code = (
         "import os, signal, torch\n"
-        "from mxgraph.runtime.checkpoint import FlashCheckpointer\n"
+        "from mxgraph.runtime.checkpoint.flash import FlashCheckpointer\n"
         f"ck = FlashCheckpointer({str(tmp_path)!r}, run_id={run_id!r}, linger_s=1.0)\n"
         "r = ck.save(7, {'model': {'w': torch.arange(10.0)}}, persist=False)\n"
         "assert r.status == 'copied'\n"

@@ -8,7 +8,7 @@ from mxgraph.cli import main as cli_main
 from mxgraph.comm import comm_report
 from mxgraph.dump import read_summary
 from mxgraph.plan import Plan
-from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.cluster.mesh import Mesh
 
 B, S = 2, 16  # batch, sequence
 F32 = 4  # bytes per element: the tiny models are fp32

@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import models
 import mxgraph as mx
@@ -24,7 +25,7 @@ def check_parity(model, args, steps: int = 3):
         assert_grads_close(model, reference, TOL)
         opt.step(); opt.zero_grad()
         ref_opt.step(); ref_opt.zero_grad()
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         assert rel_err(p, q) <= TOL, f"{name} after {steps} AdamW steps"
     return step
 

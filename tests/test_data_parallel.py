@@ -12,11 +12,12 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import models
 import mxgraph as mx
-from mxgraph.runtime.data_parallel import MiB, build_buckets
+from mxgraph.runtime.data_parallel.buckets import MiB, build_buckets
 from mxgraph.runtime.param_layout import ParamLayout
 from tests.distributed import run_ranks
 from tests.helpers import rel_err
@@ -30,7 +31,7 @@ def shard_slices(step, bucket):
     that overlaps this rank's shard of `bucket`."""
     rank = step.mesh.coords[bucket.axis]
     start, end = rank * bucket.shard_numel, (rank + 1) * bucket.shard_numel
-    for name, param, offset in zip(bucket.names, bucket.params, bucket.offsets):
+    for name, param, offset in zip(bucket.names, bucket.params, bucket.offsets, strict=True):
         lo, hi = max(start, offset), min(end, offset + param.numel())
         if lo < hi:
             yield name, param, slice(lo - offset, hi - offset), slice(lo - start, hi - start)
@@ -41,7 +42,8 @@ def check_grads(step, ref_params, i):
     buckets = step.data_parallel.buckets
     if not step.plan.zero1:
         assert_like_reference(((n, p.grad, ref_params[n].grad, p) for b in buckets
-                               for n, p in zip(b.names, b.params)), step, scale, GRAD_TOL, f"step {i} grad")
+                               for n, p in zip(b.names, b.params, strict=True)),
+                              step, scale, GRAD_TOL, f"step {i} grad")
         return
     for bucket in buckets:
         assert all(p.grad is None for p in bucket.params), "zero1 left a model .grad"
@@ -82,7 +84,7 @@ def check_data_parallel(rank, world, model_name, plan_kwargs, steps=3, batch_siz
         reference.zero_grad()
         chunks = dp * plan.micro_batches
         ref_loss = sum(reference(x, y) / chunks for x, y in
-                       zip(tokens.chunk(chunks), targets.chunk(chunks)))
+                       zip(tokens.chunk(chunks), targets.chunk(chunks), strict=True))
         ref_loss.backward()
         assert rel_err(loss, ref_loss) <= LOSS_TOL, (i, loss.item(), ref_loss.item())
         check_grads(step, dict(reference.named_parameters()), i)
@@ -104,7 +106,7 @@ def check_layout(step, min_buckets, expert_axis):
 def check_parameters(step, ref_params, steps):
     buckets = step.data_parallel.buckets
     scale = max(p.norm().item() for p in ref_params.values())
-    assert_like_reference(((n, p, ref_params[n], p) for b in buckets for n, p in zip(b.names, b.params)),
+    assert_like_reference(((n, p, ref_params[n], p) for b in buckets for n, p in zip(b.names, b.params, strict=True)),
                           step, scale, PARAM_TOL, f"after {steps} steps")
     for bucket in buckets:
         if step.plan.zero1:  # the shard and the synced parameters agree exactly

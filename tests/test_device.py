@@ -1,4 +1,4 @@
-"""runtime/device.py: detection on this machine, the MetaX and NVIDIA rules on a faked
+"""runtime/cluster/device.py: detection on this machine, the MetaX and NVIDIA rules on a faked
 `torch.cuda`, and the copy-engine check of a plan."""
 import dataclasses
 
@@ -8,8 +8,8 @@ import torch
 import mxgraph as mx
 from mxgraph.errors import PlanError
 from mxgraph.plan import OverlapOptions
-from mxgraph.runtime import device as device_mod
-from mxgraph.runtime.device import check_copy_engine, copy_engine_available, detect
+from mxgraph.runtime.cluster import device as device_mod
+from mxgraph.runtime.cluster.device import check_copy_engine, copy_engine_available, detect
 
 
 def test_this_machine_is_a_cpu_with_gloo():
@@ -22,8 +22,8 @@ def test_this_machine_is_a_cpu_with_gloo():
 
 
 def test_default_device_is_still_importable_from_mesh():
-    from mxgraph.runtime.device import default_device
-    from mxgraph.runtime.mesh import default_device as from_mesh
+    from mxgraph.runtime.cluster.device import default_device
+    from mxgraph.runtime.cluster.mesh import default_device as from_mesh
     assert from_mesh is default_device
 
 

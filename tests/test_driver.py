@@ -11,8 +11,8 @@ from mxgraph.context import CompileContext
 from mxgraph.driver import compile_step
 from mxgraph.errors import PlanError
 from mxgraph.passes.pipeline import PIPELINE
-from mxgraph.runtime.mesh import Mesh
-from mxgraph.runtime.pipeline import PipelineRun
+from mxgraph.runtime.cluster.mesh import Mesh
+from mxgraph.runtime.pipeline.executor import PipelineRun
 from mxgraph.schedules import RECV_F
 from tests.helpers import assert_grads_close, batch, rel_err
 
@@ -39,7 +39,7 @@ def _joint_inputs(model, runtime, args, seed):
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     values = []
-    for node, slot in zip(runtime.programs.placeholders, runtime.slots):
+    for node, slot in zip(runtime.pipeline.programs.placeholders, runtime.slots, strict=True):
         meta = node.meta["val"]
         if slot.kind == "param":
             values.append(params[slot.key])
@@ -71,14 +71,14 @@ def test_f_b_w_programs_are_bitwise_the_joint_graph(stage):
     torch.manual_seed(7)
     with torch.no_grad():
         expected = runtime.joint.gm(*values)
-    env = dict(zip(runtime.programs.placeholders, values))
+    env = dict(zip(runtime.pipeline.programs.placeholders, values, strict=True))
     torch.manual_seed(7)
     with torch.no_grad():
-        for _, program in runtime.programs.all():
+        for _, program in runtime.pipeline.programs.all():
             program.run(env)
     outputs = list(runtime.joint.gm.graph.find_nodes(op="output")[0].args[0])
     checked = 0
-    for node, value in zip(outputs, expected):
+    for node, value in zip(outputs, expected, strict=True):
         if node is None:
             continue
         assert torch.equal(env[node], value), node.name

@@ -5,7 +5,7 @@ rank's batch and compares the loss (1e-5), the gradients after one step (1e-4) a
 parameters after 3 AdamW steps (1e-4) with eager autograd on the global batch. Expert
 weights are compared with this rank's experts: [r*E/ep, (r+1)*E/ep) along dim 0.
 Router aux loss and expert bias stay per rank, so the models run with aux_loss_coef=0.
-Blocks are found by what they do (passes/moe_blocks.py): besides mxgraph's two forms, a
+Blocks are found by what they do (passes/sharding/moe_blocks.py): besides mxgraph's two forms, a
 hand-built loop over the experts (torch.where selection, index_add_ combine) is sharded,
 and forms expert parallelism cannot shard are refused by a PlanError that names the
 weights, the op and the module (Hugging Face models: tests/test_hf_expert_parallel.py).
@@ -14,7 +14,8 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import models
 import mxgraph as mx
@@ -22,8 +23,8 @@ import tests.test_pipeline_exec as pipeline_exec
 from mxgraph.capture import capture
 from mxgraph.context import CompileContext
 from mxgraph.driver import compile_step, fake_model
-from mxgraph.passes.shard_ep import shard_ep_pass, stable_toposort
-from mxgraph.runtime.mesh import Mesh
+from mxgraph.passes.sharding.ep import shard_ep_pass, stable_toposort
+from mxgraph.runtime.cluster.mesh import Mesh
 from tests.distributed import run_ranks
 from tests.test_moe_blocks import HandMoE
 
@@ -39,7 +40,7 @@ def test_ep2_moe_tiny(expert_impl):
 
 
 def test_ep2_cp2_moe_tiny():
-    """Expert gradients reduce over edp x cp (runtime/data_parallel.py): with edp = 1, the sum
+    """Expert gradients reduce over edp x cp (runtime/data_parallel/buckets.py): with edp = 1, the sum
     of the two sequence halves' gradients of this rank's experts."""
     run_ranks(4, check_ep, "moe-tiny", dict(ep=2, cp=2), 2,
               dict(n_layers=2, expert_impl="grouped_mm"), 1e-3)

@@ -63,7 +63,7 @@ def assert_fused_training_equals_eager(model, vocab: int, dump_dir, steps: int =
         loss_on, loss_off = on(*args), unfused(*args)
         loss_off.backward()
         assert rel_err(loss_on, loss_off) <= TOL, (i, loss_on.item(), loss_off.item())
-        for (key, p), q in zip(model.named_parameters(), unfused.parameters()):
+        for (key, p), q in zip(model.named_parameters(), unfused.parameters(), strict=True):
             assert rel_err(p.grad, q.grad) <= TOL, (i, key, rel_err(p.grad, q.grad))
         for opt in opts:
             opt.step()
@@ -108,7 +108,7 @@ def test_fusion_kinds_select_patterns(tmp_path):
 def test_fused_nodes_carry_values_and_provenance():
     from mxgraph.capture import capture
     from mxgraph.context import CompileContext
-    from mxgraph.passes.fuse import fused_counts
+    from mxgraph.passes.fusion.fuse import fused_counts
     from mxgraph.passes.pipeline import FORWARD_PASSES
     from mxgraph.passes.runner import run_pass
 
@@ -139,7 +139,7 @@ def test_deepseek_v3_shape_fusion_counts():
     router with selection bias, grouped_mm experts, MLA."""
     from mxgraph.capture import capture
     from mxgraph.passes.cleanup import remove_noop_pass
-    from mxgraph.passes.fuse import apply_patterns, fused_counts
+    from mxgraph.passes.fusion.fuse import apply_patterns, fused_counts
     from mxgraph.plan import FUSION_KINDS
 
     model = models.build_model("deepseek-v3-671b", device="meta", dtype=torch.bfloat16, n_layers=4)
@@ -152,9 +152,9 @@ def test_deepseek_v3_shape_fusion_counts():
 
 def test_a_refused_rewrite_leaves_the_graph_as_it_was():
     from mxgraph.capture import capture
-    from mxgraph.passes.fuse import fused_counts
-    from mxgraph.passes.fuse_patterns import SwiGLU
-    from mxgraph.passes.fuse_patterns_base import Rewriter
+    from mxgraph.passes.fusion.elementwise import SwiGLU
+    from mxgraph.passes.fusion.fuse import fused_counts
+    from mxgraph.passes.fusion.rewriter import Rewriter
 
     class Refused(SwiGLU):
         def rewrite(self, rw, m):

@@ -47,7 +47,7 @@ def compile_and_compare(module: torch.nn.Module, args, fusion, dump_dir, tol: fl
     ref_loss = reference(*args)
     ref_loss.backward()
     assert rel_err(loss, ref_loss.detach()) <= tol, (loss.item(), ref_loss.item())
-    for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters()):
+    for (name, p), (_, q) in zip(module.named_parameters(), reference.named_parameters(), strict=True):
         assert p.grad is not None, f"{name}: no gradient"
         err = rel_err(p.grad, q.grad)
         assert err <= tol, f"{name}: gradient relative error {err:.2e}"

@@ -20,7 +20,7 @@ MAX_NORM = 0.05  # below every case's norm, so the gradients are scaled
 
 
 def _eager_clipped(reference, tokens, targets, chunks: int) -> float:
-    loss = sum(reference(x, y) / chunks for x, y in zip(tokens.chunk(chunks), targets.chunk(chunks)))
+    loss = sum(reference(x, y) / chunks for x, y in zip(tokens.chunk(chunks), targets.chunk(chunks), strict=True))
     loss.backward()
     return torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM).item()
 

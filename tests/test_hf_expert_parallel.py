@@ -56,7 +56,7 @@ def check_readme_order(rank, world, make_model, plan_kwargs, steps=3, batch_size
         mine = slice(dp_rank * batch_size, (dp_rank + 1) * batch_size)
         loss = step(tokens[mine], targets[mine])
         reference.zero_grad()
-        ref_loss = sum(reference(x, y) / dp for x, y in zip(tokens.chunk(dp), targets.chunk(dp)))
+        ref_loss = sum(reference(x, y) / dp for x, y in zip(tokens.chunk(dp), targets.chunk(dp), strict=True))
         ref_loss.backward()
         assert rel_err(loss, ref_loss) <= LOSS_TOL, (i, loss.item(), ref_loss.item())
         if i == 0:

@@ -4,7 +4,7 @@ check_plan`, README order: the optimizer on step.parameters() right after mx.com
 loss 1e-5 relative, gradients 1e-4 after each step, parameters 1e-4 after 3 AdamW steps,
 fp32. `strict_sharding=True` on every layout the sharding passes handle (no op may fall
 back to a gather; under SP and CP the MoE families route their own tokens,
-passes/sharding_local.py). One launch per world size runs every family's layouts: process
+passes/sharding/token_local.py). One launch per world size runs every family's layouts: process
 start-up and tracing dominate. Plain dp (buckets, no model structure involved) runs on
 Llama; zero1 (dp=2 with sharded optimizer state) on every family. Expert parallelism of the MoE families:
 tests/test_hf_expert_parallel.py."""

@@ -5,12 +5,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import Graph, GraphModule
 
-import mxgraph.runtime.collectives  # noqa: F401 - registers the mxgraph:: collectives
+import mxgraph.runtime.collectives.tp  # noqa: F401 - registers the mxgraph:: collectives
 from mxgraph.context import CompileContext
 from mxgraph.passes.invariants import PassError
 from mxgraph.passes.runner import PassSpec, run_pass
 from mxgraph.plan import Plan
-from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.cluster.mesh import Mesh
 
 aten = torch.ops.aten
 
@@ -83,8 +83,8 @@ def test_collective_on_a_group_of_no_axis():
 
 
 def test_collective_unknown_to_the_comm_report(monkeypatch):
-    from mxgraph.runtime import collectives
-    monkeypatch.delitem(collectives.KIND, "tp_all_reduce")
+    from mxgraph.runtime.collectives import groups
+    monkeypatch.delitem(groups.KIND, "tp_all_reduce")
     mesh = Mesh.on_paper(tp=2)
     group = mesh.group_name("tp")
     with pytest.raises(PassError, match="unknown to the communication report"):

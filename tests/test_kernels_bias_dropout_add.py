@@ -7,7 +7,8 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import Phase, example, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, example, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from mxgraph.codegen.kernels import bias_dropout_add as K  # noqa: E402
 from tests.kernel_testing import assert_close, opcheck  # noqa: E402
@@ -63,7 +64,7 @@ def test_reference_matches_composition(p, training):
     else:
         want = wres + wx + wb
     assert_close(out, want.detach())
-    for a, c in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, want_leaves, g)):
+    for a, c in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, want_leaves, g), strict=True):
         assert_close(a, c)
 
 

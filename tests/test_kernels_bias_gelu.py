@@ -8,7 +8,8 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hypothesis import Phase, example, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, example, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from mxgraph.codegen.kernels import bias_gelu as K  # noqa: E402
 from tests.kernel_testing import assert_close, opcheck  # noqa: E402
@@ -46,7 +47,7 @@ def test_reference_matches_composition(approximate):
     out = torch.ops.mxgraph.bias_gelu(x1, b1, approximate)
     want = F.gelu(x2 + b2, approximate=approximate)
     assert_close(out, want.detach())
-    for a, b in zip(torch.autograd.grad(out, (x1, b1), g), torch.autograd.grad(want, (x2, b2), g)):
+    for a, b in zip(torch.autograd.grad(out, (x1, b1), g), torch.autograd.grad(want, (x2, b2), g), strict=True):
         assert_close(a, b, tol={torch.float32: (1e-5, 1e-5)})
 
 

@@ -19,8 +19,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from mxgraph.codegen.kernels import (_common, bias_dropout_add, bias_gelu, gqa, linear_cross_entropy, moe_permute,
-                                     moe_router, rmsnorm, rope, swiglu)
+from mxgraph.codegen.kernels import (
+    _common,
+    bias_dropout_add,
+    bias_gelu,
+    gqa,
+    linear_cross_entropy,
+    moe_permute,
+    moe_router,
+    rmsnorm,
+    rope,
+    swiglu,
+)
 
 TARGET = GPUTarget("cuda", 90, 32)
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
@@ -62,8 +72,9 @@ class _Recorder:
                 _KERNELS_BY_FN[fn] = kernel
                 names = JITFunction(fn).arg_names
                 # as the JIT does, an int argument equal to 1 becomes a constexpr
-                ones = {n for n, v in zip(names, args) if type(v) is int and v == 1 and n not in fn_no_spec(fn)}
-                signature = {n: _type(v) for n, v in zip(names, args) if n not in ones}
+                ones = {n for n, v in zip(names, args, strict=False)  # args may stop before the last names
+                        if type(v) is int and v == 1 and n not in fn_no_spec(fn)}
+                signature = {n: _type(v) for n, v in zip(names, args, strict=False) if n not in ones}
                 constexprs = {n: v for n, v in kwargs.items() if n not in LAUNCH_OPTIONS}
                 constexprs.update({n: 1 for n in ones})
                 signature.update({n: "constexpr" for n in constexprs})

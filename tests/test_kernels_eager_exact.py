@@ -121,5 +121,5 @@ def test_gqa_attention(heads, kv_heads):
     mine, lse = gqa.gqa_attention_reference(*heads_first, True, E ** -0.5)
     _assert_equal(mine.transpose(1, 2), out.detach(), "out")
     grads = gqa.gqa_attention_backward_reference(g.transpose(1, 2), None, *heads_first, mine, lse, True, E ** -0.5)
-    for name, mine_grad, leaf in zip("qkv", grads, (q, k, v)):
+    for name, mine_grad, leaf in zip("qkv", grads, (q, k, v), strict=True):
         _assert_equal(mine_grad.transpose(1, 2), leaf.grad, f"grad {name}")

@@ -8,7 +8,8 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hypothesis import Phase, example, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, example, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from mxgraph.codegen.kernels import gqa as K  # noqa: E402
 from tests.kernel_testing import assert_close, opcheck  # noqa: E402
@@ -46,7 +47,7 @@ def test_triton_matches_reference(case, dtype, causal, with_grad_lse):
     dlse = dlse if with_grad_lse else None
     got = K.gqa_attention_backward_triton(do, dlse, q, k, v, want_out, want_lse, causal, scale)
     want = K.gqa_attention_backward_reference(do, dlse, q, k, v, want_out, want_lse, causal, scale)
-    for name, a, c in zip("qkv", got, want):
+    for name, a, c in zip("qkv", got, want, strict=True):
         assert_close(a, c, tol=TOL, msg=f"d{name}")
 
 
@@ -57,7 +58,7 @@ def test_uneven_lengths_without_causal():
     want_out, want_lse = K.gqa_attention_reference(q, k, v, False, scale)
     assert_close(out, want_out)
     for a, c in zip(K.gqa_attention_backward_triton(do, None, q, k, v, out, lse, False, scale),
-                    K.gqa_attention_backward_reference(do, None, q, k, v, out, lse, False, scale)):
+                    K.gqa_attention_backward_reference(do, None, q, k, v, out, lse, False, scale), strict=True):
         assert_close(a, c)
 
 
@@ -72,7 +73,7 @@ def test_reference_matches_sdpa(causal):
                                           is_causal=causal, scale=0.4)
     assert_close(out, want.detach())
     for a, c in zip(torch.autograd.grad(out, leaves, do, retain_graph=True),
-                    torch.autograd.grad(want, want_leaves, do, retain_graph=True)):
+                    torch.autograd.grad(want, want_leaves, do, retain_graph=True), strict=True):
         assert_close(a, c)
     # the log-sum-exp output and its gradient, against the explicit composition
     s = (wq @ wk.repeat_interleave(3, 1).transpose(-1, -2)) * 0.4
@@ -81,7 +82,7 @@ def test_reference_matches_sdpa(causal):
     want_lse = torch.logsumexp(s, -1)
     assert_close(lse, want_lse.detach())
     got = torch.autograd.grad((out, lse), leaves, (do, dlse))
-    for a, c in zip(got, torch.autograd.grad((want, want_lse), want_leaves, (do, dlse))):
+    for a, c in zip(got, torch.autograd.grad((want, want_lse), want_leaves, (do, dlse)), strict=True):
         assert_close(a, c)
 
 

@@ -8,7 +8,8 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hypothesis import Phase, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from mxgraph.codegen.kernels import linear_cross_entropy as K  # noqa: E402
 from tests.kernel_testing import assert_close, opcheck  # noqa: E402
@@ -57,7 +58,7 @@ def test_reference_matches_composition(chunk):
     want = F.cross_entropy(want_leaves[0] @ want_leaves[1].T, t, ignore_index=-100)
     assert_close(loss, want.detach())
     assert_close(lse, torch.logsumexp(x @ w.T, -1))
-    for a, b in zip(torch.autograd.grad(loss * 1.3, leaves), torch.autograd.grad(want * 1.3, want_leaves)):
+    for a, b in zip(torch.autograd.grad(loss * 1.3, leaves), torch.autograd.grad(want * 1.3, want_leaves), strict=True):
         assert_close(a, b)
 
 

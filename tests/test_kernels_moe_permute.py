@@ -8,7 +8,8 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import Phase, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from mxgraph.codegen.kernels import moe_permute as K  # noqa: E402
 from tests.kernel_testing import assert_close, opcheck  # noqa: E402
@@ -89,7 +90,7 @@ def test_reference_matches_composition(capacity):
     factors = (torch.arange(1.0, rows.numel() + 1).view(-1, d) / rows.numel())[row_map.clamp(min=0)]
     want = ((x2.repeat_interleave(k, 0) * factors * keep[:, None]).view(t, k, d) * p2[..., None]).sum(1)
     assert_close(out, want.detach())
-    for a, b in zip(torch.autograd.grad(out, (x1, p1), gout), torch.autograd.grad(want, (x2, p2), gout)):
+    for a, b in zip(torch.autograd.grad(out, (x1, p1), gout), torch.autograd.grad(want, (x2, p2), gout), strict=True):
         assert_close(a, b)
 
 

@@ -7,7 +7,8 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import Phase, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from mxgraph.codegen.kernels import moe_router as K  # noqa: E402
 from tests.kernel_testing import assert_close, opcheck  # noqa: E402

@@ -7,7 +7,8 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import Phase, example, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, example, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from mxgraph.codegen.kernels import rmsnorm as K  # noqa: E402
 from tests.kernel_testing import assert_close, opcheck  # noqa: E402
@@ -39,7 +40,7 @@ def test_triton_matches_reference(shape, dtype, residual):
     else:
         got, want = K.rmsnorm_triton(x, w, EPS), K.rmsnorm_reference(x, w, EPS)
         h, gh = x, None
-    for i, (a, b) in enumerate(zip(got, want)):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert_close(a, b, tol=TOL, msg=f"fwd[{i}]")
     rstd = want[-1]
     got = K.rmsnorm_backward_triton(gy, h, w, rstd, gh)
@@ -73,7 +74,7 @@ def test_reference_matches_composition(residual):
     assert_close(y, want_y.detach())
     got = torch.autograd.grad(outs, check, grads)
     want = torch.autograd.grad(want_outs, want_leaves, grads)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         assert_close(a, b, tol={torch.float32: (1e-5, 1e-5)})
 
 

@@ -8,7 +8,8 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import Phase, example, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, example, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from mxgraph.codegen.kernels import rope as K  # noqa: E402
 from tests.kernel_testing import assert_close, opcheck  # noqa: E402
@@ -46,10 +47,11 @@ def _cases(draw):
 @example(case=(1, 7, 2, 1, 73, 34), dtype=torch.float32, interleaved=True)
 def test_triton_matches_reference(case, dtype, interleaved):
     q, k, cos, sin, gq, gk = _inputs(*case, dtype, interleaved)
-    for a, b in zip(K.rope_triton(q, k, cos, sin, interleaved), K.rope_reference(q, k, cos, sin, interleaved)):
+    for a, b in zip(K.rope_triton(q, k, cos, sin, interleaved), K.rope_reference(q, k, cos, sin, interleaved),
+                    strict=True):
         assert_close(a, b, msg="fwd")
     for a, b in zip(K.rope_backward_triton(gq, gk, cos, sin, interleaved),
-                    K.rope_backward_reference(gq, gk, cos, sin, interleaved)):
+                    K.rope_backward_reference(gq, gk, cos, sin, interleaved), strict=True):
         assert_close(a, b, msg="bwd")
 
 
@@ -71,11 +73,12 @@ def test_reference_matches_composition(interleaved, r):
     want_leaves = [q.clone().requires_grad_(), k.clone().requires_grad_()]
     outs = torch.ops.mxgraph.rope(*leaves, cos, sin, interleaved)
     wants = [_composition(x, cos, sin, interleaved) for x in want_leaves]
-    for a, b in zip(outs, wants):
+    for a, b in zip(outs, wants, strict=True):
         assert_close(a, b.detach())
     if r < 12:
         assert torch.equal(outs[0][..., r:], q[..., r:])  # partial rotary leaves the rest untouched
-    for a, b in zip(torch.autograd.grad(outs, leaves, (gq, gk)), torch.autograd.grad(wants, want_leaves, (gq, gk))):
+    for a, b in zip(torch.autograd.grad(outs, leaves, (gq, gk)), torch.autograd.grad(wants, want_leaves, (gq, gk)),
+                    strict=True):
         assert_close(a, b)
 
 

@@ -8,9 +8,11 @@ os.environ["MXGRAPH_KERNEL_POISON"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from hypothesis import Phase, example, given, settings, strategies as st  # noqa: E402
+from hypothesis import Phase, example, given, settings  # noqa: E402
+from hypothesis import strategies as st
 
-from mxgraph.codegen.kernels import KERNELS, swiglu as K  # noqa: E402
+from mxgraph.codegen.kernels import KERNELS  # noqa: E402
+from mxgraph.codegen.kernels import swiglu as K
 from tests.kernel_testing import assert_close, opcheck  # noqa: E402
 
 # no shrinking: a failing example is reported as drawn (the interpreter is too slow to shrink)
@@ -35,7 +37,7 @@ def test_triton_matches_reference(shape, dtype, bias):
     assert_close(K.swiglu_triton(a, b, *biases), K.swiglu_reference(a, b, *biases), msg="fwd")
     got = K.swiglu_backward_triton(g, a, b, *biases)
     want = K.swiglu_backward_reference(g, a, b, *biases)
-    for i, (x, y) in enumerate(zip(got, want)):
+    for i, (x, y) in enumerate(zip(got, want, strict=True)):
         assert_close(x, y, msg=f"bwd[{i}]")  # bias grads: fp32 sums in both paths, rounded once
 
 
@@ -62,7 +64,7 @@ def test_reference_matches_composition(bias):
     g = torch.randn_like(out)
     got_grads = torch.autograd.grad(out, leaves, g)
     want_grads = torch.autograd.grad(want, want_leaves, g)
-    for x, y in zip(got_grads, want_grads):
+    for x, y in zip(got_grads, want_grads, strict=True):
         assert_close(x, y, tol={torch.float32: (1e-5, 1e-5)})
 
 

@@ -60,5 +60,5 @@ def test_forward_and_fused_backward_ops_appear(mode):
 def test_symbolic_trace_reruns_at_another_token_count():
     traced = make_fx(_grads, tracing_mode="symbolic")(*_args(6))
     args = _args(9, seed=1)
-    for got, want in zip(traced(*args), _grads(*args)):
+    for got, want in zip(traced(*args), _grads(*args), strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

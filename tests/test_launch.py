@@ -1,4 +1,4 @@
-"""`mxgraph.runtime.launch.init_from_environment`: `mx.compile` under torchrun joins the job
+"""`mxgraph.runtime.cluster.launch.init_from_environment`: `mx.compile` under torchrun joins the job
 itself, without the script calling `dist.init_process_group`."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from mxgraph.runtime.launch import init_from_environment
+from mxgraph.runtime.cluster.launch import init_from_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,11 +3,17 @@
 import itertools
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mxgraph.errors import PlanError
 from mxgraph.schedules.layout import (
-    balance_layers, format_layout, pad_empty_layers, parse_layout, slots_to_layout, stage_costs,
+    balance_layers,
+    format_layout,
+    pad_empty_layers,
+    parse_layout,
+    slots_to_layout,
+    stage_costs,
 )
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)

@@ -59,7 +59,7 @@ def test_seeded_init_is_deterministic_and_overrides_apply():
     torch.manual_seed(3)
     b = models.build_model("llama-tiny", n_layers=2)
     assert len(a.layers) == 2
-    for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+    for (na, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         assert torch.equal(pa, pb), na
 
 
@@ -316,8 +316,8 @@ def test_moe_joint_graph_runs_on_a_new_routing(expert_impl):
     with a ShapeEnv: the per-expert counts become unbacked SymInts (a static fake mode cannot
     hold them). "grouped_mm" has static shapes and traces either way."""
     import contextlib
-    from torch._functorch._aot_autograd.descriptors import (BufferAOTInput, GradAOTOutput,
-                                                            ParamAOTInput, TangentAOTInput)
+
+    from torch._functorch._aot_autograd.descriptors import BufferAOTInput, GradAOTOutput, ParamAOTInput, TangentAOTInput
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -350,7 +350,7 @@ def test_moe_joint_graph_runs_on_a_new_routing(expert_impl):
         loss = model(*batch)
         loss.backward()
         torch.testing.assert_close(fw_outs[0], loss)
-        for desc, grad in zip(out_descs[1:], grads):
+        for desc, grad in zip(out_descs[1:], grads, strict=True):
             if isinstance(desc, GradAOTOutput):
                 torch.testing.assert_close(grad, params[desc.grad_of.target].grad,
                                            atol=1e-6, rtol=1e-5)

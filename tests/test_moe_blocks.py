@@ -1,4 +1,4 @@
-"""The routed-MoE block finder (mxgraph/passes/moe_blocks.py) on small traced graphs: each
+"""The routed-MoE block finder (mxgraph/passes/sharding/moe_blocks.py) on small traced graphs: each
 form it recognises, in mxgraph's models, Hugging Face's experts implementations and
 hand-built modules, with the right expert weights, counts, rows and exit. The counts and
 ids are checked by value too: the graph run on real tensors, the per-expert counts equal
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import models
 from mxgraph.capture import capture, model_tensors, slot_tensor
-from mxgraph.passes.moe_blocks import find_expert_blocks
+from mxgraph.passes.sharding.moe_blocks import find_expert_blocks
 
 
 class HandMoE(nn.Module):

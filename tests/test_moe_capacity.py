@@ -1,4 +1,4 @@
-"""Capacity-padded experts (`Plan.moe.capacity_factor`, passes/moe_capacity.py) against
+"""Capacity-padded experts (`Plan.moe.capacity_factor`, passes/moe/capacity.py) against
 eager references.
 
 * A capacity large enough that nothing drops gives the dropless result: loss within 1e-6

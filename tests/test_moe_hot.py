@@ -1,5 +1,5 @@
-"""Hot-expert replication (`Plan.moe.hot_experts`, passes/ep_hot.py,
-runtime/collectives_ep_hot.py) against eager references.
+"""Hot-expert replication (`Plan.moe.hot_experts`, passes/sharding/ep_hot.py,
+runtime/collectives/ep_hot.py) against eager references.
 
 * Forced replication (hot_threshold=1.0: every step is "uneven enough"; hot_min_rows=0:
   no cost rule) on ep=2 (ep=4: tests/test_moe_combos.py): `check_plan`
@@ -18,7 +18,7 @@ import torch
 
 import models
 import mxgraph as mx
-from mxgraph.runtime.collectives_ep_hot import _State, decide
+from mxgraph.runtime.collectives.ep_hot import _State, decide
 from tests.distributed import run_ranks
 from tests.helpers import rel_err
 from tests.test_pipeline_exec import check_plan
@@ -90,7 +90,7 @@ def test_hysteresis():
 def test_cost_rule():
     """moe-tiny's experts (3 x 64 x 128 fp32 = 96 KiB) vs rows of 128 fp32 (512 B): at
     ep=2 a row off the all-to-all saves 4 x 1/2 x 512 B, a replica costs 2 x 96 KiB."""
-    from mxgraph.passes.ep_hot import cost_rule
+    from mxgraph.passes.sharding.ep_hot import cost_rule
     from tests.test_moe_blocks import _find
     _, blocks = _find(_build())
     assert cost_rule(blocks[0], blocks[0].rows, 2) == 2 * 3 * 64 * 128 * 4 // (4 * 512 // 2)
@@ -98,8 +98,8 @@ def test_cost_rule():
 
 def test_hot_experts_must_leave_one_local_expert():
     from mxgraph.errors import PlanError
-    from mxgraph.passes.ep_hot import check_hot
-    from mxgraph.passes.moe_blocks import ExpertBlock
+    from mxgraph.passes.sharding.ep_hot import check_hot
+    from mxgraph.passes.sharding.moe_blocks import ExpertBlock
     sharder = type("S", (), {"hot": 2, "ep": 4})()
     block = ExpertBlock("grouped", 8, [], gemms=[torch.fx.Graph().placeholder("x")])
     with pytest.raises(PlanError, match=r"less than the experts per EP rank .*0\.\.1"):

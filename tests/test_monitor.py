@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mxgraph.runtime.monitor import MonitorConfig, StepMonitor, score
+from mxgraph.runtime.monitor.slow_node import MonitorConfig, StepMonitor, score
 
 
 def _summ(vals, kind="compute", name="backward"):

@@ -17,7 +17,7 @@ import models
 import mxgraph as mx
 from mxgraph.errors import PlanError
 from mxgraph.passes.monitor_points import program_points
-from mxgraph.runtime.monitor import MonitorConfig, ProgramTimer, StepMonitor
+from mxgraph.runtime.monitor.slow_node import MonitorConfig, ProgramTimer, StepMonitor
 from tests.distributed import run_ranks
 
 DELAY_S = 0.03
@@ -201,7 +201,7 @@ def test_four_ranks_name_the_straggler_layer(tmp_path):
     out = tmp_path / "results.json"
     run_ranks(4, _straggler_worker, str(out))
     results = json.loads(out.read_text())
-    for name, _, slow_rank, layer, num_steps, every, _ in SCENARIOS[:3]:
+    for name, _, slow_rank, layer, _num_steps, every, _ in SCENARIOS[:3]:
         reports = results[name]["reports"]
         assert reports, name
         assert {r["rank"] for r in reports} == {slow_rank}, reports

@@ -15,11 +15,12 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import models
 import mxgraph as mx
+import mxgraph.runtime.collectives.ep  # noqa: F401 - registers ops
+import mxgraph.runtime.collectives.ep_async  # noqa: F401 - registers ops
 from mxgraph.context import CompileContext
-from mxgraph.passes.overlap_async import overlap_async_pass
-from mxgraph.passes.overlap_moe import overlap_moe_pass
-from mxgraph.passes.overlap_reorder import collective_bytes
-from mxgraph.runtime import collectives_ep, collectives_ep_async  # noqa: F401 - registers ops
+from mxgraph.passes.overlap.async_collectives import overlap_async_pass
+from mxgraph.passes.overlap.moe import overlap_moe_pass
+from mxgraph.passes.overlap.reorder import collective_bytes
 from tests.distributed import run_ranks
 from tests.helpers import batch
 from tests.overlap_checks import run_plan
@@ -199,7 +200,7 @@ def _check_model(rank):
     for plan in (mx.Plan(ep=2, overlap=True), mx.Plan(**A2A_PLAN)):
         results.append(run_plan(copy.deepcopy(base), plan, tokens, targets))
     (loss_a, grads_a, params_a), (loss_b, grads_b, params_b) = results
-    assert all(torch.equal(a, b) for a, b in zip(loss_a, loss_b)), (loss_a, loss_b)
+    assert all(torch.equal(a, b) for a, b in zip(loss_a, loss_b, strict=True)), (loss_a, loss_b)
     assert grads_a.keys() == grads_b.keys() and params_a.keys() == params_b.keys()
     for key in grads_a:
         assert torch.equal(grads_a[key], grads_b[key]), f"grad {key}"

@@ -6,12 +6,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.fx import Graph, GraphModule
 
 import mxgraph as mx
-from mxgraph.passes.overlap_reorder import MiB, collective_bytes, overlap_reorder_pass
-from mxgraph.runtime import collectives_async  # noqa: F401 - registers the layout ops
+import mxgraph.runtime.collectives.async_layout  # noqa: F401 - registers the layout ops
+from mxgraph.passes.overlap.reorder import MiB, collective_bytes, overlap_reorder_pass
 
 aten, c10d, mxops = torch.ops.aten, torch.ops._c10d_functional, torch.ops.mxgraph
 

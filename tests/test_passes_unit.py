@@ -19,11 +19,11 @@ from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
 from mxgraph.ir import ancestors
 from mxgraph.joint import build_joint
-from mxgraph.passes.fuse import fused_counts
+from mxgraph.passes.fusion.fuse import fused_counts
 from mxgraph.passes.pipeline import FORWARD_PASSES, JOINT_PASSES
 from mxgraph.passes.runner import run_pass
 from mxgraph.plan import Plan
-from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.cluster.mesh import Mesh
 
 aten = torch.ops.aten
 mx = torch.ops.mxgraph
@@ -89,7 +89,7 @@ def evaluate(gm: GraphModule, values, seed: int = 0) -> list:
 
 def assert_equal_outputs(got, expected):
     assert len(got) == len(expected)
-    for i, (a, b) in enumerate(zip(got, expected)):
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert torch.equal(a, b), f"output {i} differs: max |diff| {(a - b).abs().max()}"
 
 
@@ -409,8 +409,8 @@ def test_shard_cp_einsum_keeps_the_token_shard():
 
 
 def test_einsum_contracting_a_shard_is_partial():
-    from mxgraph.passes.placement import P, R, Shard
-    from mxgraph.passes.sharding_einsum import einsum_rule
+    from mxgraph.passes.sharding.einsum import einsum_rule
+    from mxgraph.passes.sharding.placement import P, R, Shard
 
     class Sharder:  # the three calls the rule makes
         def __init__(self, places):

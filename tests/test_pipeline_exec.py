@@ -28,7 +28,7 @@ def local(reference: torch.Tensor, mine: torch.Tensor, step, param=None) -> torc
             layout = step.layouts.get(name)
             return reference if layout is None else \
                 layout.shard(reference, step.mesh.sizes, step.mesh.coords)
-    for dim, (full, part) in enumerate(zip(reference.shape, mine.shape)):
+    for dim, (full, part) in enumerate(zip(reference.shape, mine.shape, strict=True)):
         if full != part:
             return reference.chunk(full // part, dim)[step.mesh.coords["tp"]]
     return reference
@@ -97,7 +97,7 @@ def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_
         # (Adam amplifies reduction-order noise in near-zero gradients otherwise)
         chunks = dp * plan.micro_batches
         ref_loss = sum(reference(x, y) / chunks for x, y in
-                       zip(tokens.chunk(chunks), targets.chunk(chunks)))
+                       zip(tokens.chunk(chunks), targets.chunk(chunks), strict=True))
         ref_loss.backward()
         assert rel_err(loss, ref_loss) <= LOSS_TOL, (i, loss.item(), ref_loss.item())
         ref_params = dict(reference.named_parameters())
@@ -195,7 +195,7 @@ def test_pp4_every_schedule(model_name):
 
 
 def _w_holds_only_what_it_reads(rank, world):
-    from mxgraph.runtime.pipeline import PipelineExecutor
+    from mxgraph.runtime.pipeline.executor import PipelineExecutor
     held = []  # per deferred W: the values its micro-batch holds that W does not read
     backward_weight = PipelineExecutor.backward_weight
 

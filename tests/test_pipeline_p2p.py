@@ -1,4 +1,4 @@
-"""Receives posted ahead and batched sends (runtime/p2p.py, `Plan.overlap.p2p`).
+"""Receives posted ahead and batched sends (runtime/pipeline/p2p.py, `Plan.overlap.p2p`).
 
 Unit tests of which receives are posted when, on the schedules' own action lists, without
 torch.distributed; then pp=2 on gloo processes: loss and gradients with p2p ahead on (gloo's
@@ -12,7 +12,7 @@ import torch
 
 import models
 import mxgraph as mx
-from mxgraph.runtime.p2p import RECV_AHEAD, P2PQueue, RecvSpec, post_points
+from mxgraph.runtime.pipeline.p2p import RECV_AHEAD, P2PQueue, RecvSpec, post_points
 from mxgraph.schedules import RECV_B, RECV_F, SEND_B, SEND_F, build_schedule, parse_action
 from tests.distributed import run_ranks
 
@@ -44,8 +44,8 @@ def test_post_points_every_schedule(in_issue_order):
     for where, actions in _rank_lists():
         points = post_points(actions, in_issue_order=in_issue_order)
         assert sorted(points) == [i for i, a in enumerate(actions) if a.kind in RECVS], where
-        for i, action in enumerate(actions):
-            for kind in RECVS:  # posted and not yet taken when `action` starts
+        for i in range(len(actions)):
+            for kind in RECVS:  # posted and not yet taken when `actions[i]` starts
                 live = [r for r, p in points.items() if p <= i and r >= i
                         and actions[r].kind == kind]
                 assert len(live) <= RECV_AHEAD, (where, i, live)

@@ -2,8 +2,8 @@
 import pytest
 
 import mxgraph as mx
-from mxgraph.plan import Plan, check_divides, require_built
 from mxgraph.errors import PlanError
+from mxgraph.plan import Plan, check_divides, require_built
 
 
 def test_toml_round_trip(tmp_path):

@@ -72,3 +72,14 @@ def test_example_reference_is_not_the_initial_loss():
     first = model(tokens, torch.roll(tokens, -1, dims=1))
     last, _ = eager_reference()
     assert abs(first.item() - last.item()) > 1e-2
+
+
+def test_what_is_here_names_paths_that_exist():
+    """Every path the README's "What is here" table names exists in the tree."""
+    text = README.read_text()
+    table = text[text.index("## What is here"):text.index("\nBuilt so far:")]
+    rows = [line.split("|")[2] for line in table.splitlines() if line.startswith("| ") and "`" in line]
+    paths = [p for row in rows for p in re.findall(r"`([^`]+)`", row)]
+    assert len(paths) > 20
+    root = README.parent
+    assert [p for p in paths if not (root / p).exists()] == []

@@ -63,7 +63,7 @@ def test_policies_bitwise_and_saved_bytes_fall(name, chain):
         result = baseline(name) if not policy else run(name, mx.Plan(recompute=policy))
         assert_bitwise(name, result)
         measured.append(saved(result))
-    assert all(a > b for a, b in zip(measured, measured[1:])), dict(zip(chain, measured))
+    assert all(a > b for a, b in zip(measured, measured[1:], strict=False)), dict(zip(chain, measured, strict=True))
 
 
 @pytest.mark.parametrize("name,policy", [

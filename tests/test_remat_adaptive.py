@@ -8,9 +8,8 @@ import torch
 import models
 import mxgraph as mx
 from mxgraph.plan import MoEOptions
+from mxgraph.runtime.adaptive import count_tokens_per_rank, tokens_per_rank, variant_plans
 from mxgraph.step_adaptive import AdaptiveMoEStep
-from mxgraph.runtime.adaptive import (count_tokens_per_rank, tokens_per_rank,
-                                      variant_plans)
 from tests.helpers import batch
 
 TOKENS = 2 * 16  # batch x sequence

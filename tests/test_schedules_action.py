@@ -1,12 +1,21 @@
 """Action string form, Schedule text form and the grid printer."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mxgraph.errors import PlanError
 from mxgraph.schedules import (
-    BW, COMM_KINDS, COMPUTE_KINDS, F, OVERLAP_F_B, Action, build_schedule, format_grid,
-    parse_action, schedule_from_text,
+    BW,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    OVERLAP_F_B,
+    Action,
+    F,
+    build_schedule,
+    format_grid,
+    parse_action,
+    schedule_from_text,
 )
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)

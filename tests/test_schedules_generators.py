@@ -1,11 +1,20 @@
 """Generators: every legal (pp, vpp, microbatches) validates; every illegal one raises PlanError."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mxgraph.errors import PlanError
 from mxgraph.schedules import (
-    BW, F, OVERLAP_F_B, RECV_F, SEND_F, SCHEDULES, W, build_schedule, validate,
+    BW,
+    OVERLAP_F_B,
+    RECV_F,
+    SCHEDULES,
+    SEND_F,
+    F,
+    W,
+    build_schedule,
+    validate,
 )
 
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True)

@@ -15,7 +15,8 @@ Formulas checked (p ranks, m microbatches, v chunks per rank, idle = total - bus
 import json
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mxgraph.errors import PlanError
 from mxgraph.schedules import Costs, build_schedule, simulate
@@ -57,7 +58,7 @@ def test_zbh1_third_of_1f1b_and_same_stage0_memory(p, extra, w_retained):
     b_full = b + w  # the DualPipe table's B; the ZB paper writes (p-1)(F + B - W) with B = B_input
     assert all(close(i, (p - 1) * (f + b_full - 2 * w)) for i in zb.idle.values())  # = p - 1
     assert all(close(i, (p - 1) * (f + b_full)) for i in ref.idle.values())  # 1F1B: 3(p - 1)
-    assert all(close(3 * z, r) for z, r in zip(zb.idle.values(), ref.idle.values()))
+    assert all(close(3 * z, r) for z, r in zip(zb.idle.values(), ref.idle.values(), strict=True))
     assert close(zb.total_time, 3 * m + p - 1)
     assert zb.peak_activations[0] == ref.peak_activations[0] == p
     for r in range(p):

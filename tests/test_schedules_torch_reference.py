@@ -6,7 +6,7 @@ if a torch release renames them.
 
 import pytest
 
-from mxgraph.schedules import BW, B, F, W, Action, build_schedule
+from mxgraph.schedules import BW, Action, B, F, W, build_schedule
 
 ts = pytest.importorskip("torch.distributed.pipelining.schedules")
 KIND = {"FORWARD": F, "FULL_BACKWARD": BW, "BACKWARD_INPUT": B, "BACKWARD_WEIGHT": W}

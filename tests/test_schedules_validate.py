@@ -5,7 +5,13 @@ import dataclasses
 import pytest
 
 from mxgraph.schedules import (
-    Action, Schedule, ScheduleError, add_comm_actions, build_schedule, parse_action, validate,
+    Action,
+    Schedule,
+    ScheduleError,
+    add_comm_actions,
+    build_schedule,
+    parse_action,
+    validate,
 )
 
 

@@ -16,11 +16,12 @@ from mxgraph.driver import check_plan, compile_step, fake_model, paper_mesh
 from mxgraph.memory_plan import trace_layer_activations
 from mxgraph.plan import Plan
 from mxgraph.schedules import Costs, simulate
-from mxgraph.search.device import load_device
 from mxgraph.search.enumerate import Space, search
 from mxgraph.search.layer_cost import TraceCache, TraceKey, trace
-from mxgraph.search.predict import Setting, predict
+from mxgraph.search.predict import predict
+from mxgraph.search.profiles import load_device
 from mxgraph.search.schedule_time import pipeline, schedule_of
+from mxgraph.search.setting import Setting
 
 SMALL = Space(max_tp=2, schedules=("1f1b", "zbh1"), recompute=("",), offload=("",),
               max_mbs=2, sequence_parallel=(False,))

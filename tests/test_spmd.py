@@ -9,18 +9,19 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import models
 import mxgraph as mx
+import tests.test_pipeline_exec as pipeline_exec
 from mxgraph.capture import capture
 from mxgraph.context import CompileContext
 from mxgraph.passes.pipeline import FORWARD_PASSES
 from mxgraph.passes.runner import run_pass
-from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.cluster.mesh import Mesh
 from tests.distributed import run_ranks
 from tests.helpers import batch, rel_err
-import tests.test_pipeline_exec as pipeline_exec
 from tests.test_pipeline_exec import check_plan
 
 LLAMA = "llama-tiny"
@@ -181,11 +182,11 @@ def _einsum_layouts(rank, world):
         expected = reference(x)
         expected.backward()
         assert rel_err(loss, expected.detach()) <= 1e-5, plan
-        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
             assert rel_err(p.grad, q.grad) <= 1e-4, f"{plan} {name}"
 
 
 def test_einsum_projections_on_token_shards():
-    """A model written with einsum equations (passes/sharding_einsum.py) under cp=2 and
+    """A model written with einsum equations (passes/sharding/einsum.py) under cp=2 and
     tp=2 + SP, strict: loss 1e-5, gradients 1e-4 relative against eager."""
     run_ranks(2, _einsum_layouts)

@@ -25,7 +25,7 @@ def test_batches_are_shifted_windows_and_resumable():
     state = batches.state_dict()
     after = batches.next()
     batches.load_state_dict(state)
-    assert all(torch.equal(p, q) for p, q in zip(after, batches.next()))
+    assert all(torch.equal(p, q) for p, q in zip(after, batches.next(), strict=True))
 
 
 def test_user_npy_and_text(tmp_path):

@@ -53,7 +53,7 @@ def train_cli(model: str, config: str, plan: str | None, tmp: str) -> float:
 
 
 def _every_case(rank, world, tmp, references):
-    import mxgraph.runtime.launch as launch
+    import mxgraph.runtime.cluster.launch as launch
     launch.close_process_group = lambda: None  # the harness ends the group after the cases
     for model, config, plan, same_batches in CASES:
         loss = train_cli(model, config, plan, tmp)

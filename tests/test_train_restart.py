@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from mxgraph.errors import UserError
-from mxgraph.runtime import checkpoint_disk as disk
-from mxgraph.runtime.shm import segment_prefix
+from mxgraph.runtime.checkpoint import disk
+from mxgraph.runtime.checkpoint.shm import segment_prefix
 from mxgraph.train import TrainConfig, train
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "resilience"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import linecache
 from itertools import count
 
-from mxgraph.runtime.programs import Program, StagePrograms
+from mxgraph.runtime.pipeline.programs import Program, StagePrograms
 
 _module_ids = count()
 _PIECES = {"F": "forward", "B": "input gradients", "W": "weight gradients"}
@@ -62,7 +62,7 @@ def _announce_calls(program: Program) -> None:
     """A call `announce(i, value)` after the node of each announced output (computed by
     this program; an input passed through is announced by whoever computes it)."""
     graph = program.gm.graph
-    by_output = dict(zip(program.outputs, graph.find_nodes(op="output")[0].args[0]))
+    by_output = dict(zip(program.outputs, graph.find_nodes(op="output")[0].args[0], strict=True))
 
     def announce(index, value):
         program.ready(index, value)
@@ -77,7 +77,7 @@ def _announce_calls(program: Program) -> None:
 def _need_calls(program: Program) -> None:
     """A call `need(i)` right before the first user of each input in `program.needs`."""
     graph = program.gm.graph
-    local = dict(zip(program.inputs, graph.find_nodes(op="placeholder")))
+    local = dict(zip(program.inputs, graph.find_nodes(op="placeholder"), strict=True))
     order = {node: i for i, node in enumerate(graph.nodes)}
 
     def need(index):

@@ -7,7 +7,7 @@ naming the pass and the node.
   `meta["val"]` (later passes and the analyses read shapes from it); draws no random
   numbers unless the pass declares it (`PassSpec.adds_random`); and, if it is an
   mxgraph collective (an op with a `group_name` argument), is known to the communication
-  report (`collectives.KIND`) and names a group of this compile's mesh;
+  report (`collectives.groups.KIND`) and names a group of this compile's mesh;
 * no output of the graph that was not an alias of an input before the pass is one after.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from mxgraph.ir import is_mutating, is_random, schema_arg, storage_roots
-from mxgraph.runtime.collectives import KIND
+from mxgraph.runtime.collectives.groups import KIND
 
 
 class PassError(RuntimeError):
@@ -74,7 +74,7 @@ def _check_collective(node: Node, where: str, mesh) -> None:
     name = target._schema.name.split("::", 1)[1]
     if name not in KIND:
         raise PassError(f"pass {where} inserted the collective mxgraph::{name} ({node.name}), "
-                        "unknown to the communication report: add it to collectives.KIND")
+                        "unknown to the communication report: add it to collectives.groups.KIND")
     group = schema_arg(node, "group_name")
     if mesh is None:
         raise PassError(f"pass {where} inserted mxgraph::{name} ({node.name}) in a one-device "

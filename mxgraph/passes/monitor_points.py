@@ -1,4 +1,4 @@
-"""Timing points for the slow-node monitor's level 1 (`runtime/monitor.py`): where each
+"""Timing points for the slow-node monitor's level 1 (`runtime/monitor/slow_node.py`): where each
 program's execution changes section, so that a straggler is named by layer and collective.
 
 A structural step between `split_bw` and `codegen`; it runs only when the step's monitor
@@ -6,7 +6,7 @@ asks for level 1 or more (`Step.set_monitor` before the first compile sets
 `CompileContext.monitor_level`); at level 0 the programs keep no points and the generated
 code has no timing calls. It changes no graph (the runner sees the programs' graphs as
 `split_bw` left them): it sets each program's `points`
-(`runtime.programs.TimingPoint`), and codegen writes a call `point(i, section)` right
+(`runtime.pipeline.programs.TimingPoint`), and codegen writes a call `point(i, section)` right
 before each point's node.
 
 Sections, in program order (every node of a program belongs to exactly one):
@@ -35,7 +35,7 @@ import torch
 from torch.fx import Graph, Node
 
 from mxgraph.comm_graph import collective_call
-from mxgraph.runtime.programs import TimingPoint
+from mxgraph.runtime.pipeline.programs import TimingPoint
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 

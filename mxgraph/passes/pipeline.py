@@ -12,22 +12,29 @@ from __future__ import annotations
 
 from mxgraph.errors import PlanError
 from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass
+from mxgraph.passes.fusion.fuse import fuse_pass
+from mxgraph.passes.fusion.residual_grad import fuse_residual_grad_pass
+from mxgraph.passes.memory.offload import offload_pass
+from mxgraph.passes.memory.remat import remat_pass
+from mxgraph.passes.moe.capacity import moe_capacity_pass
 from mxgraph.passes.monitor_points import monitor_points_step
-from mxgraph.passes.offload import offload_pass
-from mxgraph.passes.overlap_async import overlap_async_pass
-from mxgraph.passes.overlap_moe import overlap_moe_pass
-from mxgraph.passes.overlap_reorder import overlap_reorder_pass
-from mxgraph.passes.overlap_tp import overlap_tp_pass
-from mxgraph.passes.remat import remat_pass
-from mxgraph.passes.fuse import fuse_pass
-from mxgraph.passes.fuse_grad import fuse_residual_grad_pass
+from mxgraph.passes.overlap.async_collectives import overlap_async_pass
+from mxgraph.passes.overlap.moe import overlap_moe_pass
+from mxgraph.passes.overlap.reorder import overlap_reorder_pass
+from mxgraph.passes.overlap.tp_chunks import overlap_tp_pass
 from mxgraph.passes.runner import PassSpec
-from mxgraph.passes.moe_capacity import moe_capacity_pass
-from mxgraph.passes.shard_ep import shard_ep_pass
-from mxgraph.passes.shard_cp import shard_cp_pass
-from mxgraph.passes.shard_tp import shard_tp_pass
-from mxgraph.passes.steps import (capture_step, codegen_step, forward_programs_step, grad_step,
-                                  shard_parameters_step, split_bw_step, split_stages_step)
+from mxgraph.passes.sharding.cp import shard_cp_pass
+from mxgraph.passes.sharding.ep import shard_ep_pass
+from mxgraph.passes.sharding.tp import shard_tp_pass
+from mxgraph.passes.steps import (
+    capture_step,
+    codegen_step,
+    forward_programs_step,
+    grad_step,
+    shard_parameters_step,
+    split_bw_step,
+    split_stages_step,
+)
 
 FORWARD_PASSES = [
     PassSpec("remove_noop", remove_noop_pass, "forward",

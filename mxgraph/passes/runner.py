@@ -25,8 +25,7 @@ from mxgraph.context import CompileContext
 from mxgraph.cost import graph_cost
 from mxgraph.dump import write_dump
 from mxgraph.memory import estimate_peak
-from mxgraph.passes.invariants import (PassError, aliased_outputs, check_aliases, check_graph,
-                                       check_new_nodes)
+from mxgraph.passes.invariants import PassError, aliased_outputs, check_aliases, check_graph, check_new_nodes
 
 __all__ = ["PassError", "PassSpec", "record_graphs", "run_pass", "run_step"]
 
@@ -101,8 +100,8 @@ def graph_fingerprint(gm: GraphModule) -> list[tuple]:
 
 def same_fingerprint(a: list[tuple], b: list[tuple]) -> bool:
     """Whether two fingerprints are of the same graph, unchanged (identity, field by field)."""
-    return len(a) == len(b) and all(len(p) == len(q) and all(x is y for x, y in zip(p, q))
-                                    for p, q in zip(a, b))
+    return len(a) == len(b) and all(len(p) == len(q) and all(x is y for x, y in zip(p, q, strict=True))
+                                    for p, q in zip(a, b, strict=True))
 
 
 def record_graphs(ctx: CompileContext, name: str, phase: str,

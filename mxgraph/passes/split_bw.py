@@ -18,7 +18,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from mxgraph.ir import ancestors, is_random
 from mxgraph.joint import JointGraph
-from mxgraph.runtime.programs import Program, StagePrograms
+from mxgraph.runtime.pipeline.programs import Program, StagePrograms
 
 
 def split_bw(joint: JointGraph, num_activations: int) -> StagePrograms:
@@ -27,13 +27,13 @@ def split_bw(joint: JointGraph, num_activations: int) -> StagePrograms:
     outputs = list(gm.graph.find_nodes(op="output")[0].args[0])
     forward_outputs = outputs[:joint.num_forward_outputs]
     grads = outputs[joint.num_forward_outputs:]
-    tangents = {p for p, s in zip(placeholders, joint.inputs) if s.kind == "tangent"}
+    tangents = {p for p, s in zip(placeholders, joint.inputs, strict=True) if s.kind == "tangent"}
     needs_tangent: set[Node] = set(tangents)
     for node in gm.graph.nodes:
         if any(a in needs_tangent for a in node.all_input_nodes):
             needs_tangent.add(node)
     input_grads, param_grads = {}, []
-    for slot, grad in zip(joint.grad_of, grads):
+    for slot, grad in zip(joint.grad_of, grads, strict=True):
         if slot is None or grad is None:
             continue
         if slot.kind == "input" and slot.key < num_activations:

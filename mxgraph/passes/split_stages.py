@@ -165,14 +165,14 @@ def _extract(forward: ForwardGraph, placeholders: list[Node], nodes: set[Node],
     used = {a for n in nodes for a in n.all_input_nodes} | set(outputs)
     slots: list[Slot] = []
     user_inputs: list[int] = []
-    for node, slot in zip(placeholders, forward.slots):
+    for node, slot in zip(placeholders, forward.slots, strict=True):
         if node in used and slot.kind != "input":
             env[node] = _placeholder(graph, node)
             slots.append(slot)
     for i, node in enumerate(inputs):
         env[node] = _placeholder(graph, node, f"activation_{i}")
         slots.append(Slot("input", i))
-    for node, slot in zip(placeholders, forward.slots):
+    for node, slot in zip(placeholders, forward.slots, strict=True):
         if node in used and slot.kind == "input":
             env[node] = _placeholder(graph, node)
             slots.append(Slot("input", len(inputs) + len(user_inputs)))

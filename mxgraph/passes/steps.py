@@ -15,17 +15,16 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, GraphModule
 
-from mxgraph.capture import (ForwardGraph, capture, model_tensors, slot_tensor,
-                             whole_parameters)
+from mxgraph.capture import ForwardGraph, capture, model_tensors, slot_tensor, whole_parameters
 from mxgraph.codegen.python import generate
 from mxgraph.context import CompileContext
 from mxgraph.joint import JointGraph, build_joint
 from mxgraph.passes.split_bw import split_bw
 from mxgraph.passes.split_stages import StageGraph, split_stages
-from mxgraph.runtime.mesh import Mesh
+from mxgraph.runtime.cluster.mesh import Mesh
 from mxgraph.runtime.param_layout import ParamLayout, materialize
-from mxgraph.runtime.pipeline import PipelineExecutor, StageRuntime
-from mxgraph.runtime.programs import Program, StagePrograms
+from mxgraph.runtime.pipeline.executor import PipelineExecutor, StageRuntime
+from mxgraph.runtime.pipeline.programs import Program, StagePrograms
 from mxgraph.schedules import Schedule
 
 
@@ -114,7 +113,7 @@ def grad_step(c: Compilation, ctx: CompileContext):
         graph = c.stage_graphs[stage]
         placeholders = list(graph.forward.gm.graph.find_nodes(op="placeholder"))
         tensors, example = [], []
-        for node, slot in zip(placeholders, graph.forward.slots):
+        for node, slot in zip(placeholders, graph.forward.slots, strict=True):
             if slot.kind != "input":
                 tensors.append(slot_tensor(slot, tensors_by_name, graph.forward.constants))
             elif slot.key < graph.num_activations:  # zeros of the received value's meta
@@ -156,10 +155,10 @@ def _empty(root: GraphModule) -> Program:
 def codegen_step(c: Compilation, ctx: CompileContext):
     """Generate each program's Python code and build this rank's executor."""
     overlap = ctx.plan.overlap
-    if overlap is not None and overlap.dp_buckets:  # runtime/dp_overlap.py hears of them
+    if overlap is not None and overlap.dp_buckets:  # runtime/data_parallel/overlap.py hears of them
         for stage, programs in c.programs.items():
             grads = {node for _, node in programs.param_grads}
-            params = {n for n, slot in zip(programs.placeholders, joint_slots(c, stage))
+            params = {n for n, slot in zip(programs.placeholders, joint_slots(c, stage), strict=True)
                       if slot.kind == "param"} if ctx.plan.zero1 else set()
             for _, program in programs.all():
                 program.announce = tuple(n for n in program.outputs if n in grads)
@@ -174,7 +173,7 @@ def codegen_step(c: Compilation, ctx: CompileContext):
             programs=programs, slots=joint.inputs if joint else graph.forward.slots,
             num_activations=graph.num_activations,
             user_inputs=graph.user_inputs,
-            activation_meta=[n.meta["val"] for n, s in zip(placeholders, graph.forward.slots)
+            activation_meta=[n.meta["val"] for n, s in zip(placeholders, graph.forward.slots, strict=True)
                              if s.kind == "input" and s.key < graph.num_activations],
             output_meta=[o.meta["val"] for o in outputs], constants=graph.forward.constants,
             joint=joint)

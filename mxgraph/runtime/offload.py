@@ -1,6 +1,6 @@
 """Activation offload at run time: a host pool, a side stream, and three graph ops.
 
-The offload pass (passes/offload.py) inserts, for each chosen saved activation `x`:
+The offload pass (passes/memory/offload.py) inserts, for each chosen saved activation `x`:
 
     h = mxgraph::offload(x, pool, key)            # right after x is produced
     d = mxgraph::prefetch(h, pool, key, device)   # a few backward nodes before first use

@@ -7,12 +7,29 @@
 """
 
 from mxgraph.schedules.action import (
-    B, BW, COMM_KINDS, COMPUTE_KINDS, F, KINDS, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W,
-    Action, parse_action,
+    BW,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    KINDS,
+    OVERLAP_F_B,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    W,
+    parse_action,
 )
 from mxgraph.schedules.build import SCHEDULES, build_schedule
 from mxgraph.schedules.layout import (
-    balance_layers, format_layout, pad_empty_layers, parse_layout, slots_to_layout, stage_costs,
+    balance_layers,
+    format_layout,
+    pad_empty_layers,
+    parse_layout,
+    slots_to_layout,
+    stage_costs,
 )
 from mxgraph.schedules.schedule import Schedule, add_comm_actions, format_grid, schedule_from_text
 from mxgraph.schedules.simulate import Costs, simulate

@@ -29,7 +29,7 @@ is an upper bound here, not exact. Peak activation: 2p + 1 stage-units on every 
 
 from collections import deque
 
-from mxgraph.schedules.action import B, BW, F, W, Action
+from mxgraph.schedules.action import BW, Action, B, F, W
 from mxgraph.schedules.schedule import Schedule, add_comm_actions
 
 

@@ -1,6 +1,6 @@
 """GPipe: every rank runs all forwards, then all full backwards (microbatch order)."""
 
-from mxgraph.schedules.action import BW, F, Action
+from mxgraph.schedules.action import BW, Action, F
 from mxgraph.schedules.schedule import Schedule, add_comm_actions
 
 

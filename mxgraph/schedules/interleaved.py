@@ -8,7 +8,7 @@ warm-up is 1F1B's p-1-r and the order is exactly 1F1B's. For v >= 2 the order eq
 torch.distributed.pipelining's ScheduleInterleaved1F1B (tests compare them).
 """
 
-from mxgraph.schedules.action import BW, F, Action
+from mxgraph.schedules.action import BW, Action, F
 from mxgraph.schedules.schedule import Schedule, add_comm_actions
 
 
@@ -27,7 +27,7 @@ def interleaved(num_ranks: int, num_microbatches: int, vpp: int) -> Schedule:
     total = num_microbatches * v
     compute = {}
     for r in range(p):
-        def act(k: int, kind: str) -> Action:
+        def act(k: int, kind: str, r: int = r) -> Action:
             chunk, mb = _virtual(k, p, v, backward=kind == BW)
             return Action(chunk * p + r, kind, mb)
 

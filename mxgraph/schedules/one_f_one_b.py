@@ -1,6 +1,6 @@
 """1F1B (PipeDream-flush): warm up with forwards, then alternate one F and one full B."""
 
-from mxgraph.schedules.action import BW, F, Action
+from mxgraph.schedules.action import BW, Action, F
 from mxgraph.schedules.schedule import Schedule, add_comm_actions
 
 

@@ -12,7 +12,14 @@ from dataclasses import dataclass, field
 
 from mxgraph.errors import PlanError
 from mxgraph.schedules.action import (
-    BACKWARD_KINDS, F, RECV_B, RECV_F, SEND_B, SEND_F, Action, parse_action,
+    BACKWARD_KINDS,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    F,
+    parse_action,
 )
 
 

@@ -23,7 +23,16 @@ from typing import Mapping
 
 from mxgraph.errors import PlanError
 from mxgraph.schedules.action import (
-    B, BW, F, OVERLAP_F_B, RECV_B, RECV_F, SEND_B, SEND_F, W, Action,
+    BW,
+    OVERLAP_F_B,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    W,
 )
 from mxgraph.schedules.schedule import Schedule
 from mxgraph.schedules.timeline import Event, Timeline

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from mxgraph.schedules.action import B, BW, F, OVERLAP_F_B, W, Action
+from mxgraph.schedules.action import BW, OVERLAP_F_B, Action, B, F, W
 
 COLOURS = {F: "#4c72b0", B: "#55a868", W: "#8c8c8c", BW: "#dd8452", OVERLAP_F_B: "#8172b3"}
 

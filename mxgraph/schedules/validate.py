@@ -25,7 +25,16 @@ from typing import Mapping
 
 from mxgraph.errors import PlanError
 from mxgraph.schedules.action import (
-    B, BACKWARD_KINDS, BW, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action,
+    BACKWARD_KINDS,
+    BW,
+    RECV_B,
+    RECV_F,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    W,
 )
 from mxgraph.schedules.schedule import Schedule, format_grid
 

@@ -11,7 +11,7 @@ W right after its B and so never holds more activation than 1F1B. With F = B = W
 idle time per rank is (p-1)(F+B-2W) instead of 1F1B's (p-1)(F+B+W) for m >= p.
 """
 
-from mxgraph.schedules.action import B, F, W, Action
+from mxgraph.schedules.action import Action, B, F, W
 from mxgraph.schedules.schedule import Schedule, add_comm_actions
 
 

@@ -87,7 +87,7 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     xs, ts = [p[0] for p in points], [p[1] for p in points]
     mx, mt = statistics.fmean(xs), statistics.fmean(ts)
     var = sum((x - mx) ** 2 for x in xs) or 1.0
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts, strict=True)) / var
     x_last, t_last = max(points)
     slope = max(slope, 0.5 * t_last / x_last)  # noise: rate at most 2x the largest size's
     return max(0.0, mt - slope * mx), slope
@@ -224,7 +224,7 @@ def collective_fits(world: int, device, quick: bool, barrier) -> list[dict]:
                 points.append((numel * 4.0, _timed(fn, repeats, barrier)))
             times = torch.tensor([t for _, t in points], dtype=torch.float64, device=device)
             dist.all_reduce(times)
-            alpha, beta = fit([(b, t / world) for (b, _), t in zip(points, times.tolist())])
+            alpha, beta = fit([(b, t / world) for (b, _), t in zip(points, times.tolist(), strict=True)])
             fits.append({"kind": kind, "group_size": n, "alpha_s": alpha,
                          "beta_s_per_byte": beta, "spans_nodes": False})
     return fits

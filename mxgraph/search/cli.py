@@ -15,10 +15,11 @@ from pathlib import Path
 
 from mxgraph.errors import UserError
 from mxgraph.plan import Plan
-from mxgraph.search.device import load_device
 from mxgraph.search.enumerate import SCHEDULES, Space, search
 from mxgraph.search.model_spec import resolve_model
-from mxgraph.search.predict import Prediction, Setting, predict
+from mxgraph.search.predict import Prediction, predict
+from mxgraph.search.profiles import load_device
+from mxgraph.search.setting import Setting
 
 JSON_KEYS = ("plan", "step_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "bubble",
              "exposed_comm_s")

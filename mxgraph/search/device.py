@@ -1,6 +1,6 @@
 """Device profiles for Auto Search: what one accelerator and its links can do.
 
-    device = load_device("h800")             # a built-in profile, or the path of a TOML file
+    device = load_device("h800")             # profiles.py: a built-in profile, or a TOML file
     device.gemm_time(flops=2**31)             # seconds
     device.collective_time("all_reduce", nbytes=2**26, group_size=8, spans_nodes=False)
 
@@ -35,9 +35,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import tomllib
 
 from mxgraph.errors import UserError
 
@@ -222,47 +219,3 @@ def _toml(value) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def load_device(name_or_path: str) -> DeviceProfile:
-    """A built-in profile by name (`BUILTIN`) or a TOML device file; UserError naming the
-    known profiles, the missing field, or the field of the wrong type."""
-    from mxgraph.search.profiles import BUILTIN
-    if name_or_path in BUILTIN:
-        return dataclasses.replace(BUILTIN[name_or_path])
-    path = Path(name_or_path)
-    if not path.suffix == ".toml" and not path.exists():
-        raise UserError(f"--device {name_or_path!r} is neither a built-in profile "
-                        f"({', '.join(BUILTIN)}) nor a TOML device file; pass one of those "
-                        f"names or the path of a .toml file")
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"device file {path} does not exist; pass a built-in profile "
-                        f"({', '.join(BUILTIN)}) or the path of a TOML device file") from None
-    except tomllib.TOMLDecodeError as error:
-        raise UserError(f"device file {path} is not valid TOML: {error}") from None
-    return device_from_dict(data, str(path))
-
-
-def device_from_dict(data: dict, source: str) -> DeviceProfile:
-    """A profile from a TOML document's values; UserError for a missing or unknown field."""
-    fields = {f.name: f for f in dataclasses.fields(DeviceProfile)}
-    for key in data:
-        if key not in fields:
-            raise UserError(f"device file {source}: unknown field {key!r}; device fields: "
-                            f"{', '.join(fields)}")
-    examples = {"name": 'name = "my-gpu"', "peak_flops": "peak_flops = 312e12"}
-    for key, example in examples.items():
-        if key not in data:
-            raise UserError(f"device file {source} misses the field {key!r}; add a line "
-                            f"like {example}")
-    for key, value in data.items():
-        default = fields[key].default
-        if isinstance(default, (int, float)) and not isinstance(default, bool) and (
-                isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise UserError(f"device file {source}: {key} = {value!r} must be a number")
-    try:
-        return DeviceProfile(**data)
-    except TypeError as error:
-        raise UserError(f"device file {source}: {error}") from None

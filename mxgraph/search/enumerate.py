@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from mxgraph.driver import check_plan
 from mxgraph.errors import PlanError, UserError
 from mxgraph.plan import Plan, divisors
-from mxgraph.search.predict import Prediction, Setting, peak_memory_gib, predict
+from mxgraph.search.predict import Prediction, peak_memory_gib, predict
 from mxgraph.search.schedule_time import check_schedule
+from mxgraph.search.setting import Setting
 
 DENSE_RECOMPUTE = ("", "norm,act", "full")
 MOE_RECOMPUTE = ("", "moe_light", "full")

@@ -202,7 +202,7 @@ def split_by_tp(one: LayerCosts, two: LayerCosts, key: TraceKey) -> LayerCosts:
 
     def kernels(a: list[float], b: list[float]) -> list[float]:
         if len(a) == len(b):
-            return [at(x, y) for x, y in zip(a, b)]
+            return [at(x, y) for x, y in zip(a, b, strict=True)]
         ratio = at(sum(a), sum(b)) / sum(b) if sum(b) else 1.0
         return [y * ratio for y in b]
 
@@ -379,7 +379,7 @@ def add_node(part: PartCost, node, ep: int) -> None:
 
 
 def _is_collective(node) -> bool:
-    from mxgraph.runtime.collectives import KIND
+    from mxgraph.runtime.collectives.groups import KIND
     return KIND.get(getattr(node.target, "_name", "").split("::")[-1].split(".")[0]) is not None
 
 
@@ -410,7 +410,7 @@ def local_params(joint, config) -> tuple[dict, dict, dict]:
     experts: dict[str, float] = {}
     tensors: dict[str, int] = {}
     placeholders = list(joint.gm.graph.find_nodes(op="placeholder"))
-    for node, slot in zip(placeholders, joint.inputs):
+    for node, slot in zip(placeholders, joint.inputs, strict=True):
         if slot.kind != "param":
             continue
         parts = slot.key.split(".")

@@ -41,36 +41,11 @@ from mxgraph.memory_plan import stage_layers
 from mxgraph.plan import Plan
 from mxgraph.schedules import Costs
 from mxgraph.search.device import DeviceProfile
-from mxgraph.search.layer_cost import TRACED_EP, PartCost, TraceCache, TraceKey
+from mxgraph.search.layer_cost import TRACED_EP, PartCost, TraceKey
 from mxgraph.search.schedule_time import pipeline, rank_stages, stage_count, unit_pipeline
+from mxgraph.search.setting import Setting
 
 _GiB = 2 ** 30
-
-
-@dataclass
-class Setting:
-    """What a search is for: the model, the device, the job's size."""
-
-    config: object
-    """The model config (a models config dataclass)."""
-    device: DeviceProfile
-    gpus: int
-    global_batch: int
-    """Sequences per optimizer step."""
-    seq_len: int
-    """Tokens per sequence."""
-    library: object
-    """The model library (`models`) to build configs with."""
-    cache: TraceCache = None
-    memory: dict = field(default_factory=dict)
-    flights: dict = field(default_factory=dict)
-    part_times: dict = field(default_factory=dict)
-    schedules: dict = field(default_factory=dict)
-    """Caches (activations, in-flight micro-batches, part times, schedules) of this search."""
-
-    def __post_init__(self):
-        if self.cache is None:
-            self.cache = TraceCache(self.library)
 
 
 @dataclass

@@ -8,6 +8,12 @@ per device and direction: NVLink's "600 GB/s" (A100) is 300 GB/s each way.
 """
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+import tomllib
+
+from mxgraph.errors import UserError
 from mxgraph.search.device import DeviceProfile
 
 _NCCL = "nccl-tests all_reduce bus bandwidth / link bandwidth, typical of published runs"
@@ -98,3 +104,46 @@ CPU = DeviceProfile(
     })
 
 BUILTIN: dict[str, DeviceProfile] = {p.name: p for p in (A100, H100, H800, METAX_C500, CPU)}
+
+
+def load_device(name_or_path: str) -> DeviceProfile:
+    """A built-in profile by name (`BUILTIN`) or a TOML device file; UserError naming the
+    known profiles, the missing field, or the field of the wrong type."""
+    if name_or_path in BUILTIN:
+        return dataclasses.replace(BUILTIN[name_or_path])
+    path = Path(name_or_path)
+    if not path.suffix == ".toml" and not path.exists():
+        raise UserError(f"--device {name_or_path!r} is neither a built-in profile "
+                        f"({', '.join(BUILTIN)}) nor a TOML device file; pass one of those "
+                        f"names or the path of a .toml file")
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"device file {path} does not exist; pass a built-in profile "
+                        f"({', '.join(BUILTIN)}) or the path of a TOML device file") from None
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(f"device file {path} is not valid TOML: {error}") from None
+    return device_from_dict(data, str(path))
+
+
+def device_from_dict(data: dict, source: str) -> DeviceProfile:
+    """A profile from a TOML document's values; UserError for a missing or unknown field."""
+    fields = {f.name: f for f in dataclasses.fields(DeviceProfile)}
+    for key in data:
+        if key not in fields:
+            raise UserError(f"device file {source}: unknown field {key!r}; device fields: "
+                            f"{', '.join(fields)}")
+    examples = {"name": 'name = "my-gpu"', "peak_flops": "peak_flops = 312e12"}
+    for key, example in examples.items():
+        if key not in data:
+            raise UserError(f"device file {source} misses the field {key!r}; add a line "
+                            f"like {example}")
+    for key, value in data.items():
+        default = fields[key].default
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and (
+                isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserError(f"device file {source}: {key} = {value!r} must be a number")
+    try:
+        return DeviceProfile(**data)
+    except TypeError as error:
+        raise UserError(f"device file {source}: {error}") from None

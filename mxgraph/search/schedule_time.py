@@ -1,18 +1,15 @@
 """The pipeline schedule of a plan in the search: built once per shape and kept, simulated
 under per-stage costs (extrapolated beyond 3 pp micro-batches), the stages of each rank.
 
-`setting` below is a `predict.Setting` (its `schedules` and `flights` caches)."""
+`setting` below is a `setting.Setting` (its `schedules` and `flights` caches)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from mxgraph.plan import Plan
 from mxgraph.schedules import Costs, build_schedule, simulate
 from mxgraph.schedules.build import SCHEDULES
-
-if TYPE_CHECKING:
-    from mxgraph.search.predict import Setting
+from mxgraph.search.setting import Setting
 
 
 def schedule_of(plan: Plan, cache: dict | None = None):

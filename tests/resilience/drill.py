@@ -82,14 +82,14 @@ def processes_mentioning(text: str) -> list[int]:
 def assert_clean(run_id: str, checkpoint_dir: str) -> None:
     """After a run: no shared-memory segment of `run_id` and no process whose command line
     names `checkpoint_dir` (workers, agents, the saver) is left."""
-    from mxgraph.runtime.shm import segment_prefix
+    from mxgraph.runtime.checkpoint.shm import segment_prefix
     assert not glob.glob(f"/dev/shm/{segment_prefix(run_id)}*"), "shared memory left behind"
     assert not processes_mentioning(checkpoint_dir), "a process of the run is still alive"
 
 
 def _victim(target: str, top: int, run_id: str, rng: random.Random) -> int | None:
     if target == "saver":
-        pids = processes_mentioning(f"mxgraph.runtime.saver --run-id {run_id} ")
+        pids = processes_mentioning(f"mxgraph.runtime.checkpoint.saver --run-id {run_id} ")
         return pids[0] if pids else None
     agents = children(top)
     workers = [w for a in agents for w in children(a)]
@@ -136,7 +136,7 @@ def same_final_state(dir_a: str, dir_b: str, step: int) -> bool:
     import torch
 
     sys.path.insert(0, REPO)
-    from mxgraph.runtime import checkpoint_disk as disk
+    from mxgraph.runtime.checkpoint import disk
     a, b = (disk.load(disk.step_dir(d, step), source_rank=0) for d in (dir_a, dir_b))
     same = a["model"].keys() == b["model"].keys() and all(
         torch.equal(t, b["model"][k]) for k, t in a["model"].items())

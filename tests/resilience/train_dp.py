@@ -20,9 +20,15 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import models  # noqa: E402
-from mxgraph.runtime import checkpoint_disk, saver  # noqa: E402
-from mxgraph.runtime.checkpoint import FlashCheckpointer, apply_training_state, \
-    capture_training_state, default_run_id, init_restartable_process_group  # noqa: E402
+from mxgraph.runtime.checkpoint import disk as checkpoint_disk  # noqa: E402
+from mxgraph.runtime.checkpoint import saver  # noqa: E402
+from mxgraph.runtime.checkpoint.flash import (  # noqa: E402
+    FlashCheckpointer,
+    apply_training_state,
+    capture_training_state,
+    default_run_id,
+    init_restartable_process_group,
+)
 
 
 def wait_for(cond, timeout_s=60.0):

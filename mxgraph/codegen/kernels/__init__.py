@@ -72,8 +72,17 @@ class Kernel:
 
 
 from mxgraph.codegen.kernels import (  # noqa: E402
-    bias_dropout_add, bias_gelu, gqa, linear_cross_entropy, moe_permute, moe_router, rmsnorm, rope, swiglu)
-from mxgraph.codegen.kernels import grouped_mm  # noqa: E402, F401 - registers mxgraph::grouped_mm*
+    bias_dropout_add,
+    bias_gelu,
+    gqa,
+    grouped_mm,  # noqa: E402, F401 - registers mxgraph::grouped_mm*
+    linear_cross_entropy,
+    moe_permute,
+    moe_router,
+    rmsnorm,
+    rope,
+    swiglu,
+)
 
 KERNELS: dict[str, Kernel] = {}
 

@@ -10,7 +10,7 @@ The backward of ``grouped_mm`` is ``grouped_mm(grad_out, w.transpose(1, 2), offs
 input and ``grouped_mm_wgrad`` for the weights. Reference implementations only (a loop of
 matmuls, the CPU path and the oracle), with the contract of ``torch._grouped_mm`` with
 ``offs``, which a codegen pass may substitute where it is supported (bf16 on CUDA). The
-expert-parallel pass (``passes/shard_ep.py``) and the remat regions (kind "matmul") key on
+expert-parallel pass (``passes/sharding/ep.py``) and the remat regions (kind "matmul") key on
 these ops.
 """
 

@@ -1,0 +1,83 @@
+"""Flash Fusion: replace matched op chains of the forward graph with fused custom ops.
+
+The patterns are data: `PATTERNS` lists them in the order they run, each a `Pattern` whose
+docstring says "Matches: ... Rewrite to: ..." and whose `kind` is a name of
+`mxgraph.plan.FUSION_KINDS`; `Plan(fusion=...)` selects the kinds. Every fused op is a
+`torch.ops.mxgraph.*` custom op with a registered autograd formula (see
+`mxgraph/codegen/kernels/`), so AOTAutograd derives the fused backward when the joint
+graph is built. Fused nodes carry `meta["custom"]["tags"] = (..., "fused:<kind>")` (the
+"tags" column of a dump's nodes.tsv; AOTAutograd copies it onto the fused backward ops)
+and the fused op itself `meta["custom"]["fused_from"]`, the names of the nodes it replaced.
+A rewrite the fused op refuses is undone with a warning (the graph stays correct).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.fx import GraphModule
+
+import mxgraph.codegen.kernels  # noqa: F401 - registers torch.ops.mxgraph.*
+from mxgraph.context import CompileContext
+from mxgraph.passes.fusion.attention import RepeatGQA, RoPE
+from mxgraph.passes.fusion.elementwise import BiasDropoutAdd, BiasGelu, SwiGLU
+from mxgraph.passes.fusion.moe import MoEPermute, MoERouter
+from mxgraph.passes.fusion.norm import LinearCrossEntropy, RMSNorm
+from mxgraph.passes.fusion.rewriter import Pattern, Rewriter
+
+PATTERNS: list[Pattern] = [
+    BiasDropoutAdd(),      # before RMSNorm: its residual add is BDA's root
+    RMSNorm(),
+    LinearCrossEntropy(),  # after RMSNorm: reads the final norm's output
+    SwiGLU(),
+    BiasGelu(),
+    RoPE(),
+    RepeatGQA(),           # after RoPE: the repeated K is a RoPE output
+    MoERouter(),
+    MoEPermute(),          # after the router: reads its top-k ids
+]
+
+
+def fuse_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
+    """Rewrite every match of the plan's fusion kinds into its fused custom op.
+
+    Precondition: a forward graph after `remove_noop` (torch.export training IR, every node
+    with `meta["val"]`). Guarantee: the same signature and outputs; new nodes have fake
+    values and the provenance of the node they replace. Numerics: not bitwise (fused ops
+    compute in fp32 and round once; fp32 results agree to ~1e-7). With dropout, the masks
+    differ from `aten.dropout`'s but are a pure function of torch's seed. Returns `gm` itself
+    when the plan selects no fusion or nothing matched.
+    """
+    kinds = set(ctx.plan.fusion_kinds())
+    if not kinds:
+        return gm
+    counts = apply_patterns(gm, kinds)
+    if not any(counts.values()):
+        return gm
+    gm.graph.lint()
+    return gm
+
+
+def apply_patterns(gm: GraphModule, kinds) -> Counter:
+    """Run the patterns of `kinds` over `gm` in `PATTERNS` order; returns matches per kind."""
+    rw = Rewriter(gm)
+    counts: Counter = Counter()
+    for pattern in PATTERNS:
+        if pattern.kind in kinds:
+            counts[pattern.kind] += pattern.apply(rw)
+    return counts
+
+
+def fused_counts(gm: GraphModule) -> Counter:
+    """Fused ops in a graph, by kind (read from the `fused:<kind>` tag of each fused op)."""
+    counts: Counter = Counter()
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target.namespace != "mxgraph" or target.name().endswith("_backward"):
+            continue
+        for tag in (node.meta.get("custom") or {}).get("tags", ()):
+            if tag.startswith("fused:") and "fused_from" in node.meta["custom"]:
+                counts[tag.removeprefix("fused:")] += 1
+    return counts

@@ -1,0 +1,35 @@
+"""What a search is for (`Setting`): the model, the device, the job's size, and the search's
+caches. A data class below everything that predicts with it (`predict.py`,
+`schedule_time.py`, `enumerate.py`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mxgraph.search.device import DeviceProfile
+from mxgraph.search.layer_cost import TraceCache
+
+
+@dataclass
+class Setting:
+    """What a search is for: the model, the device, the job's size."""
+
+    config: object
+    """The model config (a models config dataclass)."""
+    device: DeviceProfile
+    gpus: int
+    global_batch: int
+    """Sequences per optimizer step."""
+    seq_len: int
+    """Tokens per sequence."""
+    library: object
+    """The model library (`models`) to build configs with."""
+    cache: TraceCache = None
+    memory: dict = field(default_factory=dict)
+    flights: dict = field(default_factory=dict)
+    part_times: dict = field(default_factory=dict)
+    schedules: dict = field(default_factory=dict)
+    """Caches (activations, in-flight micro-batches, part times, schedules) of this search."""
+
+    def __post_init__(self):
+        if self.cache is None:
+            self.cache = TraceCache(self.library)
