@@ -39,7 +39,7 @@ def _joint_inputs(model, runtime, args, seed):
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     values = []
-    for node, slot in zip(runtime.pipeline.programs.placeholders, runtime.slots, strict=True):
+    for node, slot in zip(runtime.programs.placeholders, runtime.slots, strict=True):
         meta = node.meta["val"]
         if slot.kind == "param":
             values.append(params[slot.key])
@@ -71,10 +71,10 @@ def test_f_b_w_programs_are_bitwise_the_joint_graph(stage):
     torch.manual_seed(7)
     with torch.no_grad():
         expected = runtime.joint.gm(*values)
-    env = dict(zip(runtime.pipeline.programs.placeholders, values, strict=True))
+    env = dict(zip(runtime.programs.placeholders, values, strict=True))
     torch.manual_seed(7)
     with torch.no_grad():
-        for _, program in runtime.pipeline.programs.all():
+        for _, program in runtime.programs.all():
             program.run(env)
     outputs = list(runtime.joint.gm.graph.find_nodes(op="output")[0].args[0])
     checked = 0
