@@ -1,0 +1,297 @@
+"""One cell of the zoo: a model type's eager check, or its training steps under one plan
+compared with eager autograd.
+
+A model is `shrink(CONFIG_MAPPING[t]())` built by `AutoModelForCausalLM.from_config` under
+`torch.manual_seed(0)` in fp32, wrapped in `CausalLMLoss` (forward(input_ids, targets) ->
+mean next-token cross-entropy of `.logits.float()`; the HF model is called with
+`input_ids` alone, so `use_cache` and every other default stay as transformers has them).
+
+A plan's cell runs STEPS SGD steps (the optimizer on `step.parameters()` right after
+`mx.compile`, as the README does) on random tokens and compares, with a deep copy of the
+model taken before the compile as the eager reference (accumulated over the same
+data-parallel and micro-batch chunks, as tests/test_pipeline_exec.py's `check_plan`):
+the loss of every step (relative error <= LOSS_TOL), the gradients of step 1 (except under
+ZeRO-1, whose gradients live in flat shards) and the parameters after the last step (each
+within GRAD_TOL of the reference's norm, floored at 1e-3 of the largest norm: this rank's
+part of each reference tensor cut by `step.layouts`), the suite's own measures and
+tolerances (tests/test_pipeline_exec.py).
+
+Outcomes: pass; refused (mxgraph's PlanError or another UserError: the plan or model is not
+supported, with the message); crash (any other exception: its type, first message line,
+innermost mxgraph frame); wrong (runs, differs: the largest errors); timeout (the cell's
+time limit, a SIGALRM in the process that runs it).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mxgraph as mx
+from mxgraph.errors import UserError
+from tests.helpers import rel_err
+from tests.test_pipeline_exec import GRAD_TOL, LOSS_TOL, floored_err, largest_norm, local
+
+from .shrink import EXPERTS, VOCAB, shrink
+
+BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-2
+"""Per data-parallel rank: 2 sequences of 16 tokens; 3 SGD steps at lr 1e-2."""
+CAUSAL_ATOL = 1e-5
+"""Largest change of a logit before the last token when only the last token changes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanCase:
+    """A column of the table."""
+
+    world: int
+    """Ranks (gloo processes; 1 = this process)."""
+    plan: dict = field(default_factory=dict)
+    """mx.Plan keyword arguments."""
+    backend: bool = False
+    """torch.compile(model, backend="mxmaca") instead of mx.compile."""
+    moe_only: bool = False
+    """Only for models with routed experts."""
+
+
+PLANS = {
+    "one": PlanCase(world=1),
+    "fusion": PlanCase(world=1, plan=dict(fusion=True)),
+    "mxmaca": PlanCase(world=1, backend=True),
+    "tp2sp": PlanCase(world=2, plan=dict(tp=2, sequence_parallel=True)),
+    "ep2": PlanCase(world=2, plan=dict(ep=2), moe_only=True),
+    "cp2": PlanCase(world=2, plan=dict(cp=2)),
+    "pp2": PlanCase(world=2, plan=dict(pp=2, schedule="1f1b", micro_batches=2)),
+    "dp2z1": PlanCase(world=2, plan=dict(dp=2, zero1=True)),
+}
+"""one: mx.Plan(); fusion: Plan(fusion=True); mxmaca: the torch.compile backend;
+tp2sp: tp=2 + sequence parallelism; ep2: ep=2 (dp=2; MoE models only); cp2: cp=2;
+pp2: pp=2, 1F1B, 2 micro-batches; dp2z1: dp=2 with ZeRO-1."""
+
+
+class CausalLMLoss(nn.Module):
+    """`forward(input_ids, targets) -> loss`: mean cross-entropy of the HF model's fp32 logits
+    against `targets` (already shifted), the HF model called with `input_ids` only."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.model = hf_model
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=input_ids).logits
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+class CellTimeout(Exception):
+    """The cell ran past its time limit."""
+
+
+def build(model_type: str) -> CausalLMLoss:
+    """The shrunk model under torch.manual_seed(0), fp32, in training mode."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+    config = shrink(CONFIG_MAPPING[model_type]())
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return CausalLMLoss(hf_model).train()
+
+
+def batches(global_batch: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (global_batch, SEQ), generator=g),
+             torch.randint(0, VOCAB, (global_batch, SEQ), generator=g)) for _ in range(steps)]
+
+
+def is_moe(config) -> bool:
+    """Whether the config (or a sub-config) has routed experts."""
+    from .shrink import ROLE
+    values = config.to_dict()
+    if any(ROLE.get(k) == "experts" and isinstance(v, int) and 1 < v <= EXPERTS for k, v in values.items()):
+        return True
+    return any(is_moe(getattr(config, k)) for k in config.sub_configs if hasattr(getattr(config, k, None), "to_dict"))
+
+
+def skip_reason(model_type: str) -> str | None:
+    """Why a mapped model type is no decoder-only causal LM taking text alone, or None."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    config = CONFIG_MAPPING[model_type]()
+    if config.is_encoder_decoder:
+        return "encoder-decoder (is_encoder_decoder=True): its causal LM class is the decoder half"
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    needs = [p.name for p in list(inspect.signature(model_class.forward).parameters.values())[1:]
+             if p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+             and p.name != "input_ids"]
+    return f"{model_class.__name__}.forward needs {', '.join(needs)}" if needs else None
+
+
+def eager_cell(model_type: str) -> dict:
+    """Build, forward + backward on one batch, and the causality check; "pass" with the
+    model's facts, "skipped" (not a decoder-only causal LM) or "eager fails"."""
+    start = time.perf_counter()
+    try:
+        reason = skip_reason(model_type)
+        if reason:
+            return {"status": "skipped", "detail": reason}
+        model = build(model_type)
+        tokens, targets = batches(BATCH, 1)[0]
+        loss = model(tokens, targets)
+        loss.backward()
+        if not math.isfinite(loss.item()):
+            return {"status": "eager fails", "detail": f"loss is {loss.item()}"}
+        bad = [n for n, p in model.named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+        if bad:
+            return {"status": "eager fails", "detail": f"non-finite gradient of {bad[0]}"}
+        change = _future_dependence(model, tokens)
+        if change > CAUSAL_ATOL:
+            return {"status": "skipped", "detail": "not causal: logits before the last token change with it",
+                    "future_change": change}
+        return {"status": "pass", "moe": is_moe(model.model.config), "loss": loss.item(),
+                "params": sum(p.numel() for p in model.parameters()), "seconds": time.perf_counter() - start}
+    except Exception as error:  # noqa: BLE001 - recorded
+        return {"status": "eager fails", **_describe(error, mxgraph_frame=False)}
+
+
+def _future_dependence(model: CausalLMLoss, tokens: torch.Tensor) -> float:
+    """Largest change of the logits before the last position when the last token changes
+    (eval mode: no router jitter)."""
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % VOCAB
+    model.eval()
+    try:
+        with torch.no_grad():
+            a, b = (model.model(input_ids=t).logits[:, :-1].float() for t in (tokens, changed))
+    finally:
+        model.train()
+    return (a - b).abs().max().item()
+
+
+def run_cell(model_type: str, case: PlanCase, rank: int = 0, world: int = 1, timeout: float = 300) -> dict:
+    """One plan's cell on this rank (world ranks of a process group when world > 1)."""
+    start = time.perf_counter()
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        result = _compare(model_type, case, rank, world)
+    except CellTimeout:
+        result = {"status": "timeout", "detail": f"over {timeout:.0f} s"}
+    except UserError as error:
+        result = {"status": "refused", **_describe(error)}
+    except Exception as error:  # noqa: BLE001 - recorded
+        result = {"status": "crash", **_describe(error)}
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return {**result, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _on_alarm(signum, frame):
+    raise CellTimeout
+
+
+def _compare(model_type: str, case: PlanCase, rank: int, world: int) -> dict:
+    """Run the steps and measure the largest errors against eager (module docstring)."""
+    model = build(model_type)
+    reference = copy.deepcopy(model)
+    plan = mx.Plan(**case.plan)
+    dp = plan.resolve_dp(world)
+    dp_rank = (rank // (plan.tp * plan.cp)) % dp  # the mesh's order: pp, dp, cp, tp
+    mine = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
+    data = batches(BATCH * dp)
+    if case.backend:
+        torch._dynamo.reset()
+        step, params = torch.compile(model, backend="mxmaca"), list(model.parameters())
+    else:
+        step = mx.compile(model, plan, example=(data[0][0][mine], data[0][1][mine]))
+        params = list(step.parameters())
+    opt = torch.optim.SGD(params, lr=LR)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    chunks = dp * plan.micro_batches
+    errors = {"loss": (0.0, ""), "grad": (0.0, ""), "param": (0.0, "")}
+    for i, (tokens, targets) in enumerate(data):
+        loss = step(tokens[mine], targets[mine])
+        if case.backend:
+            loss.backward()
+        ref_loss = sum(reference(x, y) / chunks for x, y in
+                       zip(tokens.chunk(chunks), targets.chunk(chunks), strict=True))
+        ref_loss.backward()
+        _worst(errors, "loss", rel_err(loss.detach(), ref_loss.detach()), f"step {i + 1}")
+        if i == 0 and not plan.zero1:
+            for name, err in _grad_errors(model if case.backend else step, reference, case.backend):
+                _worst(errors, "grad", err, name)
+        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+    if case.backend:
+        named = list(model.named_parameters())
+    else:
+        step.sync_parameters()  # zero1: the last update is in the shards
+        named = step.model_parameters()
+    ref_params = dict(reference.named_parameters())
+    scale = largest_norm(reference)
+    for name, param in named:
+        full = ref_params[name].detach()
+        part = full if case.backend else local(full, param, step, param)
+        _worst(errors, "param", floored_err(param.detach(), part, scale), name)
+    tol = {"loss": LOSS_TOL, "grad": GRAD_TOL, "param": GRAD_TOL}
+    over = [f"{k} {v:.1e} ({where})" for k, (v, where) in errors.items() if not v <= tol[k]]
+    return {"status": "wrong" if over else "pass", "detail": "; ".join(over),
+            "max_err": {k: v for k, (v, _) in errors.items()}}
+
+
+def _grad_errors(step, reference: nn.Module, plain: bool):
+    """(name, floored error) of the gradient of every parameter this rank trains; inf where
+    the step left none and eager has a non-zero one."""
+    ref_params = dict(reference.named_parameters())
+    scale = largest_norm(reference, "grad")
+    for name, param in step.named_parameters():
+        ref = ref_params[name].grad
+        if not param.requires_grad or (param.grad is None and (ref is None or not ref.any())):
+            continue
+        if param.grad is None:
+            yield name, math.inf
+            continue
+        full = torch.zeros_like(ref_params[name]) if ref is None else ref
+        yield name, floored_err(param.grad, full if plain else local(full, param.grad, step, param), scale)
+
+
+def _worst(errors: dict, kind: str, value: float, where: str) -> None:
+    if not value <= errors[kind][0]:  # NaN counts as worst
+        errors[kind] = (value, where)
+
+
+def _describe(error: BaseException, mxgraph_frame: bool = True) -> dict:
+    """type, first message line and (for mxgraph) the innermost mxgraph frame of `error` or
+    of the exceptions it was raised from."""
+    lines = str(error).strip().splitlines()
+    detail = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+    out = {"detail": detail}
+    chain, seen = [], error
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    frames = [f for e in chain for f in traceback.extract_tb(e.__traceback__)]
+    last = traceback.extract_tb(error.__traceback__)[-1:] or frames[-1:]
+    if last:
+        out["raised_at"] = _short(last[0])
+    if mxgraph_frame:
+        for exc in chain:
+            inner = [f for f in traceback.extract_tb(exc.__traceback__) if "/mxgraph/" in f.filename]
+            if inner:
+                out["mxgraph_at"] = _short(inner[-1])
+                break
+    return out
+
+
+def _short(frame) -> str:
+    path = frame.filename
+    for marker in ("/mxgraph/", "/site-packages/", "/benchmarks/"):
+        if marker in path:
+            path = path[path.rindex(marker) + 1:]
+            break
+    return f"{path}:{frame.lineno}"
