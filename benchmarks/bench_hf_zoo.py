@@ -113,9 +113,8 @@ def _model_types(only: str | None) -> list[str]:
 def _sweep(data: dict, models: list[str], plans: list[str], args) -> None:
     import torch
     import transformers
-    from tqdm import tqdm
-
     from hf_zoo.cells import PLANS
+    from tqdm import tqdm
     data["versions"] = {"transformers": transformers.__version__, "torch": torch.__version__}
 
     def todo(model, plan):

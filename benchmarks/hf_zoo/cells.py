@@ -266,26 +266,38 @@ def _worst(errors: dict, kind: str, value: float, where: str) -> None:
 
 
 def _describe(error: BaseException, mxgraph_frame: bool = True) -> dict:
-    """type, first message line and (for mxgraph) the innermost mxgraph frame of `error` or
-    of the exceptions it was raised from."""
-    lines = str(error).strip().splitlines()
-    detail = f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
-    out = {"detail": detail}
+    """The exception's type and first message line (and its innermost cause's, when it was
+    raised from another: torch.compile's BackendCompilerFailed), where the innermost one was
+    raised and, for mxgraph, the innermost mxgraph frame over the chain."""
     chain, seen = [], error
     while seen is not None and len(chain) < 8:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
-    frames = [f for e in chain for f in traceback.extract_tb(e.__traceback__)]
-    last = traceback.extract_tb(error.__traceback__)[-1:] or frames[-1:]
-    if last:
-        out["raised_at"] = _short(last[0])
+    inner = chain[-1]
+    detail = _first_line(error)
+    if inner is not error and _first_line(inner) not in detail:
+        detail += f" <- {_first_line(inner)}"
+    out = {"detail": detail}
+    for exc in reversed(chain):
+        frames = traceback.extract_tb(exc.__traceback__)
+        if frames:
+            out["raised_at"] = _short(frames[-1])
+            break
     if mxgraph_frame:
-        for exc in chain:
-            inner = [f for f in traceback.extract_tb(exc.__traceback__) if "/mxgraph/" in f.filename]
-            if inner:
-                out["mxgraph_at"] = _short(inner[-1])
+        for exc in reversed(chain):
+            frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/mxgraph/" in f.filename]
+            if frames:
+                out["mxgraph_at"] = _short(frames[-1])
                 break
     return out
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:  # "backend='mxmaca' raised:" says nothing yet
+        text += " " + lines[1].strip()
+    return f"{type(error).__name__}: {text[:300]}"
 
 
 def _short(frame) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -94,6 +95,7 @@ def _poll(job: _Running, on_result) -> Batch | None:
         job.done, job.since, job.first_rank_at = job.done + 1, time.monotonic(), None
     if job.done == len(batch.cells):
         job.proc.wait()
+        shutil.rmtree(job.out, ignore_errors=True)
         return Batch(batch.world, [], batch.timeout)
     now, exit_code = time.monotonic(), job.proc.poll()
     ranks = [_read(job.out / f"{job.done}.rank{r}.json") for r in range(batch.world)]
