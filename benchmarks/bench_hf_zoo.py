@@ -94,7 +94,9 @@ def main(argv=None) -> int:
     models = _model_types(args.only)
     if not args.table:
         _sweep(data, models, plans, args)
-    print(report.markdown(data, plans or list(ALL_PLANS), models if args.only else None))
+    from hf_zoo.cells import PLANS
+    moe_only = [p for p, case in PLANS.items() if case.moe_only]
+    print(report.markdown(data, plans or list(ALL_PLANS), models if args.only else None, moe_only))
     return 0
 
 

@@ -112,6 +112,8 @@ def _poll(job: _Running, on_result) -> Batch | None:
     else:
         return None
     _kill(job.proc)
+    if exit_code is None:  # the log of a worker that died is kept (its path is in the detail)
+        shutil.rmtree(job.out, ignore_errors=True)
     on_result(*batch.cells[job.done], result)
     return Batch(batch.world, batch.cells[job.done + 1:], batch.timeout)
 

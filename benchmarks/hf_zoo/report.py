@@ -29,9 +29,9 @@ def record(data: dict, model_type: str, plan: str, result: dict) -> None:
     data["cells"].setdefault(model_type, {})[plan] = result
 
 
-def markdown(data: dict, plans: list[str], models: list[str] | None = None) -> str:
-    """The table (rows: model types; columns: eager, then `plans`), the totals per plan and
-    the failures grouped by cause."""
+def markdown(data: dict, plans: list[str], models: list[str] | None = None, moe_only=()) -> str:
+    """The table (rows: model types; columns: eager, then `plans`; "n/a": a `moe_only` plan
+    of a dense model), the totals per plan and the failures grouped by cause."""
     cells = data["cells"]
     models = sorted(cells) if models is None else [m for m in models if m in cells]
     lines = ["| model type | eager | " + " | ".join(plans) + " |",
@@ -39,9 +39,11 @@ def markdown(data: dict, plans: list[str], models: list[str] | None = None) -> s
     for model in models:
         row = cells[model]
         eager = row.get("eager", {}).get("status", "")
-        marks = [_mark(row.get(plan), eager) for plan in plans]
+        dense = not row.get("eager", {}).get("moe")
+        marks = ["n/a" if eager == "pass" and dense and plan in moe_only and plan not in row
+                 else _mark(row.get(plan), eager) for plan in plans]
         lines.append(f"| {model} | {_EAGER_MARK.get(eager, eager)} | " + " | ".join(marks) + " |")
-    lines += ["", totals(cells, plans, models), "", failures(cells, plans, models)]
+    lines += ["", totals(cells, plans, models, moe_only), "", failures(cells, plans, models)]
     return "\n".join(lines)
 
 
@@ -57,8 +59,9 @@ def _mark(result: dict | None, eager: str) -> str:
             "timeout": "timeout"}.get(result["status"], result["status"])
 
 
-def totals(cells: dict, plans: list[str], models: list[str]) -> str:
-    """Per plan: how many cells of each outcome (and the models eager excluded)."""
+def totals(cells: dict, plans: list[str], models: list[str], moe_only=()) -> str:
+    """Per plan: how many cells of each outcome (and the models eager excluded; a moe_only
+    plan counts MoE models only)."""
     eager = defaultdict(int)
     for model in models:
         eager[cells[model].get("eager", {}).get("status", "not run")] += 1
@@ -70,6 +73,8 @@ def totals(cells: dict, plans: list[str], models: list[str]) -> str:
         count = defaultdict(int)
         for model in models:
             status = cells[model].get("eager", {}).get("status")
+            if plan in moe_only and status == "pass" and not cells[model]["eager"].get("moe"):
+                continue
             if status == "pass":
                 count[cells[model].get(plan, {}).get("status", "not run")] += 1
             elif status is not None:

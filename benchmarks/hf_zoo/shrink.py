@@ -1,31 +1,38 @@
 """`shrink(config)`: a transformers config with only its sizes made tiny, by attribute names.
 
-Every size is found by its name (the alias tables below) and type, never by model type:
+Every size is found by its name (the alias table `ROLE` and the substring rules of `role()`)
+and type, never by model type:
 
 | role | names (exact, or `*part*` = contains) | tiny value |
 |---|---|---|
 | layers | `num_hidden_layers`, `n_layer`, ... | one per kind of layer, 2 to 4 (below) |
-| width | `hidden_size`, `n_embd`, `d_model`, ... | 64 |
+| width | `hidden_size`, `n_embd`, `d_model`, ...; `lru_width`, `word_embed_proj_dim`, ... | 64 |
 | heads / KV heads | `num_attention_heads`, ... / `num_key_value_heads`, ... | 4 / 2 (1 stays 1: MQA) |
 | head dims | `head_dim`, `v_head_dim`, `qk_nope_head_dim`, ... | 16 (`qk_rope_head_dim` 8) |
 | MLP widths | `*intermediate_size*`, `*ffn*`, `d_inner`, ... (ints > 0) | 128 |
-| experts / top-k | `num_experts`, `num_local_experts`, ... / `num_experts_per_tok`, ... | at most 4 / at most 2 |
+| experts / top-k | `num_experts`, `num_local_experts`, ... / `num_experts_per_tok`, ... | at most 4 / 2 |
 | expert groups | `n_group` / `topk_group` | 2 / 1 (when fewer groups than all) |
-| vocabulary | `*vocab*` | 256 (special token ids modulo 256) |
+| vocabulary | `*vocab*` | 256 (text special token ids mod 256) |
 | positions | `max_position_embeddings`, `n_positions`, ... | at most 256 |
-| windows, token budgets | `sliding_window`, `attention_chunk_size`, `index_topk`, ... | at most 8 (the batch has 16 tokens) |
+| windows, token budgets | `sliding_window`, `attention_chunk_size`, `index_topk`, ... | at most 8 (of 16 tokens) |
 | low ranks, SSM state | `*_rank`, `*state_size*`, `*d_state*` | at most 16 |
-| layer counts / periods | `first_k_dense_replace`, `num_*_layers` / `*period*`, `*interval*` | scaled / at most 2 |
-| per-layer lists | any list as long as the layer count (`layer_types`, ...); lists of layer indices | cut |
+| layer counts / periods | `first_k_dense_replace`, `num_*_layers` / `*period*` | scaled / at most 2 |
+| per-layer fields | lists as long as the layer count, layer-index lists, `per_layer_config` | cut |
 | dropout | `*dropout*`, `*pdrop*`, `*layerdrop*` (floats) | 0.0 |
 
-Layers: each layer's kind is its tuple of values in the per-layer lists and its membership
-in the layer-index lists; the first layer of each kind is kept (up to 4 kinds, at least 2
-layers), so a model with sliding and full attention, or Mamba and attention layers, keeps
-both. Sub-configs (`text_config`, `vision_config`, DBRX's `ffn_config`, ...) are shrunk the
-same way. An attribute the config class derives from the others (Zamba's
-`attention_hidden_size` = 2 x hidden) is left to the class: the config is first built with
-the primary sizes alone, and a secondary one that changed there is not set.
+Relations the defaults hold are kept: multi-head latent attention (`kv_lora_rank`) has as
+many KV heads as heads, and `head_dim` is RoPE's part (8) or all of a query head (24); an SSM
+has heads x head dim = its inner width; a class that refuses 2 KV heads gets 4.
+
+Layers: each layer's kind is its tuple of values in the per-layer fields (`layer_types`,
+`mlp_layer_types`, `no_rope_layers`, membership in `moe_layers`, ...); the first layer of each
+kind is kept (up to 4 kinds, at least 2 layers), so a model with sliding and full attention,
+or Mamba and attention layers, keeps both. A repeated pattern (`block_types`) keeps enough
+layers for each of its kinds. Sub-configs (`text_config`, `vision_config`, DBRX's
+`ffn_config`, ...) are shrunk the same way. A size the config class derives from the others
+(Zamba's `attention_hidden_size` = 2 x hidden) is left to the class: the config is first
+built with the primary sizes alone, and a secondary one that changed there is not set.
+`OVERRIDES` holds the few sizes no name-based rule can infer, each with its reason.
 
 Nothing else changes: `use_cache`, the attention implementation, router jitter, biases,
 activations, norms, RoPE parameters and every flag keep the class defaults.
