@@ -14,7 +14,7 @@ Plans (`--plans`, comma-separated; eager always runs first, the cells need it):
   mxmaca  torch.compile(model, backend="mxmaca")
   tp2sp   Plan(tp=2, sequence_parallel=True)          ep2     Plan(ep=2) (MoE models only)
   cp2     Plan(cp=2)                                  pp2     Plan(pp=2, schedule="1f1b", micro_batches=2)
-  dp2z1   Plan(dp=2, zero1=True)
+  dp2z1   Plan(dp=2, zero1=True)                      tp2ep2  Plan(tp=2, ep=2) on 4 ranks (MoE models only)
 The two-rank plans run on gloo processes (tests/distributed.py's run_ranks), several cells
 per launch.
 
@@ -39,7 +39,7 @@ from hf_zoo import report  # noqa: E402
 from hf_zoo.launch import Batch, run_batches, worker_main  # noqa: E402
 
 RESULTS = ROOT / "bench_results" / "hf_zoo.json"
-ALL_PLANS = ("one", "fusion", "mxmaca", "tp2sp", "ep2", "cp2", "pp2", "dp2z1")
+ALL_PLANS = ("one", "fusion", "mxmaca", "tp2sp", "ep2", "cp2", "pp2", "dp2z1", "tp2ep2")
 SAMPLE = (
     # dense, pre-norm, RoPE, SwiGLU, GQA
     "llama", "mistral", "qwen2", "qwen3", "olmo", "olmo2", "stablelm", "starcoder2", "granite", "smollm3",

@@ -9,8 +9,11 @@ defaults, i.e. the full-size model, changed by the overrides) or the path of a
 (`AutoModelForCausalLM.from_config`); nothing is downloaded. This is the only module of
 mxgraph that imports `transformers`, and only inside functions.
 
-Attention runs through "sdpa" where the family has it (else "eager"); both trace with
-`torch.export`. The KV cache is off (training).
+The config keeps every default but the overrides: transformers' choice of attention
+("sdpa" where the family has it, else "eager"; both trace with `torch.export`), and
+`use_cache` (True for most families: the forward then builds a KV cache it throws away, and
+the passes take its concatenations as they come). `mxgraph train` turns the cache off for
+its own runs (`train.build_training_model`).
 
 MoE experts (`config._experts_implementation`, transformers/integrations/moe.py) keep the
 transformers default, "grouped_mm", for the families whose experts class has
@@ -42,22 +45,21 @@ _TINY_COMMON = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "intermediate_size": 128,
                 "max_position_embeddings": 64, "attention_dropout": 0.0,
                 "bos_token_id": 0, "eos_token_id": 0}
-_TINY_MOE = {"num_experts_per_tok": 2, "output_router_logits": False,
-             "router_aux_loss_coef": 0.0}
+_TINY_MOE = {"num_experts_per_tok": 2}
 TINY: dict[str, dict] = {
     "llama": {**_TINY_COMMON, "num_key_value_heads": 2},
     "gpt2": {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_inner": 128,
              "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
              "bos_token_id": 0, "eos_token_id": 0},
     "mixtral": {**_TINY_COMMON, **_TINY_MOE, "num_key_value_heads": 2,
-                "num_local_experts": 4, "router_jitter_noise": 0.0},
+                "num_local_experts": 4},
     "qwen2_moe": {**_TINY_COMMON, **_TINY_MOE, "num_key_value_heads": 2, "num_experts": 4,
-                  "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
-                  "decoder_sparse_step": 1},
+                  "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128},
 }
 """Tiny configs per family for tests: width 64, 2 layers, 4 heads (2 KV heads with GQA),
 vocabulary 256, MLP 128, 64 positions; MoE: 4 experts, top-2 (Qwen2-MoE with its shared
-expert), no router aux loss, no router jitter; no dropout."""
+expert); no dropout. Only sizes (and dropout) differ from the families' defaults: the cache,
+the attention implementation and the router options stay as a user gets them."""
 
 
 class HFCausalLM(nn.Module):
@@ -78,7 +80,7 @@ class HFCausalLM(nn.Module):
         self.vocab_size: int = hf_model.config.vocab_size
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits_BSV = self.model(input_ids=input_ids, use_cache=False).logits
+        logits_BSV = self.model(input_ids=input_ids).logits
         return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels.flatten())
 
 
@@ -159,7 +161,6 @@ def hf_config(spec: str, overrides: dict | None = None):
         raise UserError(f"Hugging Face model_type {config.model_type!r} has no causal "
                         f"language model (AutoModelForCausalLM); choose a decoder such as "
                         f"llama, gpt2, mixtral or qwen2_moe")
-    config.use_cache = False
     return config
 
 
@@ -203,11 +204,7 @@ def build_hf_model(spec: str, overrides: dict | None = None,
     presets do."""
     transformers = _transformers()
     config = hf_config(spec, overrides)
-    model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    attention = config._attn_implementation or \
-        ("sdpa" if model_class._supports_sdpa else "eager")
-    hf_model = transformers.AutoModelForCausalLM.from_config(
-        config, dtype=torch.float32, attn_implementation=attention)
+    hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for param in hf_model.parameters():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)

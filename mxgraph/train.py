@@ -136,13 +136,16 @@ def _init_distributed() -> int:
 def build_training_model(cfg: TrainConfig) -> torch.nn.Module:
     """The model `cfg.model` names, with `cfg.model_config`'s overrides: a preset
     (`models.build_model`) or a Hugging Face model (`hf:<model_type>` or a config.json,
-    `mxgraph.hf.build_hf_model`). Either has `.config.vocab_size`."""
+    `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws it away). Either has
+    `.config.vocab_size`."""
     import models
 
     dtype = getattr(torch, cfg.dtype)
     overrides = parse_overrides(cfg.model_config)
     if is_hf_spec(cfg.model):
-        return build_hf_model(cfg.model, overrides, dtype=dtype)
+        model = build_hf_model(cfg.model, overrides, dtype=dtype)
+        model.config.use_cache = False
+        return model
     return models.build_model(cfg.model, dtype=dtype, **overrides)
 
 

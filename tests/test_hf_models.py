@@ -42,11 +42,11 @@ def test_loss_is_the_mean_cross_entropy_of_the_logits(family):
     assert model.vocab_size == model.config.vocab_size == 256
     assert all(name.startswith("model.") for name, _ in model.named_parameters())
     loss = model(inputs, targets)
-    logits = model.model(input_ids=inputs, use_cache=False).logits
+    logits = model.model(input_ids=inputs).logits
     direct = -logits.float().log_softmax(-1).gather(-1, targets[..., None]).mean()
     torch.testing.assert_close(loss, direct, rtol=1e-6, atol=0)
     # HF shifts `labels` itself: the full window with labels = inputs is the same loss
-    hf_loss = model.model(input_ids=tokens, labels=tokens, use_cache=False).loss
+    hf_loss = model.model(input_ids=tokens, labels=tokens).loss
     torch.testing.assert_close(loss, hf_loss, rtol=1e-5, atol=0)
 
 

@@ -177,6 +177,35 @@ def test_remove_noop_drops_unused_metadata_asserts():
     assert [n.op for n in gm.graph.nodes] == ["placeholder", "call_function", "output"]
 
 
+class FreshCache(nn.Module):
+    """A key/value cache created in the forward, as transformers' `DynamicCache` is when a
+    config keeps its default `use_cache=True`: the first update concatenates an empty 1-D
+    tensor (`torch.cat`'s legacy rule skips it) with the keys, and again with the values."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x):
+        k = self.w(x).unsqueeze(1)
+        cache = torch.tensor([])
+        k = torch.cat([cache, k], dim=-2)
+        kv = torch.cat([cache, k, k], dim=-2)
+        return kv.sum() + k.sum()
+
+
+def test_remove_noop_drops_the_empty_operands_of_a_fresh_cache_cat():
+    model, x = FreshCache(), x_bsh()
+    forward = capture(model, (x,), {})
+    assert len(calls(forward.gm, aten.cat.default)) == 2, nodes_of(forward.gm)
+    values = forward_inputs(model, forward, (x,))
+    expected = evaluate(forward.gm, values)
+    result, _ = run("remove_noop", forward.gm)
+    (cat,) = calls(result, aten.cat.default)  # the one-operand cat is gone, the other kept two
+    assert [a.meta["val"].ndim for a in cat.args[0]] == [4, 4], nodes_of(result)
+    assert_equal_outputs(evaluate(result, values), expected)
+
+
 class RealOps(nn.Module):
     """Ops that look like no-ops but are not: a dropout that draws, a cast to another dtype."""
 

@@ -71,10 +71,12 @@ PLANS = {
     "cp2": PlanCase(world=2, plan=dict(cp=2)),
     "pp2": PlanCase(world=2, plan=dict(pp=2, schedule="1f1b", micro_batches=2)),
     "dp2z1": PlanCase(world=2, plan=dict(dp=2, zero1=True)),
+    "tp2ep2": PlanCase(world=4, plan=dict(tp=2, ep=2), moe_only=True),
 }
 """one: mx.Plan(); fusion: Plan(fusion=True); mxmaca: the torch.compile backend;
 tp2sp: tp=2 + sequence parallelism; ep2: ep=2 (dp=2; MoE models only); cp2: cp=2;
-pp2: pp=2, 1F1B, 2 micro-batches; dp2z1: dp=2 with ZeRO-1."""
+pp2: pp=2, 1F1B, 2 micro-batches; dp2z1: dp=2 with ZeRO-1; tp2ep2: tp=2 x ep=2 on 4 ranks
+(MoE models only)."""
 
 
 class CausalLMLoss(nn.Module):

@@ -26,9 +26,33 @@ def _is_identity(node: torch.fx.Node) -> bool:
     return False
 
 
+def _is_legacy_empty(arg) -> bool:
+    """A 1-D tensor without elements: `torch.cat` skips it beside operands of any rank (its
+    legacy rule), as in the first concatenation of a key/value cache created in the forward."""
+    val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.ndim == 1 and val.shape[0] == 0
+
+
+def _drop_empty_operands(node: torch.fx.Node) -> bool:
+    """Drop the legacy-empty operands of a `cat` whose other operands give its dtype; a cat
+    left with one operand is replaced by it. True if the graph changed."""
+    tensors, out = list(node.args[0]), node.meta.get("val")
+    kept = [t for t in tensors if not _is_legacy_empty(t)]
+    if len(kept) == len(tensors) or not kept or not isinstance(out, torch.Tensor) or any(
+            t.meta.get("val") is None or t.meta["val"].dtype != out.dtype for t in kept):
+        return False
+    if len(kept) == 1:
+        node.replace_all_uses_with(kept[0])
+        node.graph.erase_node(node)
+    else:
+        node.args = (kept, *node.args[1:])
+    return True
+
+
 def remove_noop_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """Replace identity ops (alias, detach, dropout with p=0 or train=False, a copy to the
-    same dtype and device) by their input, and drop tensor-metadata asserts.
+    same dtype and device) by their input, drop tensor-metadata asserts, and drop the empty
+    1-D operands of `cat` (a cache's first concatenation: `cat([tensor([]), k], -2)`).
 
     Precondition: a functional graph. Guarantee: same outputs. Numerics: bitwise equal.
     Returns `gm` itself when nothing changed.
@@ -43,6 +67,8 @@ def remove_noop_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
         elif _is_identity(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+            changed = True
+        elif node.target is aten.cat.default and _drop_empty_operands(node):
             changed = True
     return dead_code_pass(gm, ctx) if changed else gm
 

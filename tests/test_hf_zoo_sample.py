@@ -1,0 +1,68 @@
+"""A fixed sample of the Hugging Face zoo (benchmarks/bench_hf_zoo.py) in the suite.
+
+Each model is built as its users build it: its config class's defaults with only the sizes
+shrunk (`hf_zoo/shrink.py`; dropout 0), so `use_cache`, the attention implementation and the
+router options stay as transformers has them. Every cell runs 3 SGD steps and compares with
+eager autograd (`hf_zoo/cells.py`): the loss of every step within 1e-5 relative, the
+gradients of step 1 and the parameters after step 3 within 1e-4 (floored at 1e-3 of the
+largest norm), fp32 (tests/test_pipeline_exec.py's tolerances).
+
+The cases also hold the default-config failures of issue 27: a KV cache created in the
+forward (`torch.cat` of an empty 1-D tensor with the keys) crashed tp=2 (+SP) on every
+family with a cache, and tp=2 x ep=2 on Qwen2-MoE and Qwen3-MoE.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+from hf_zoo import cells, launch  # noqa: E402
+
+from tests.distributed import run_ranks  # noqa: E402
+
+SAMPLE = ("llama", "gpt2", "gemma2", "gpt_neox", "mixtral", "qwen2_moe", "bloom", "phi3")
+"""Dense (RoPE + SwiGLU + GQA; learned positions + Conv1D; soft-capping + sliding window;
+parallel residual; ALiBi; fused QKV) and MoE (without and with a shared expert)."""
+LAYOUTS = ("tp2sp", "pp2")
+TP_FAMILIES = ("qwen3", "gemma3_text", "starcoder2")
+"""More of the families whose default cache crashed tp=2."""
+TIMEOUT = 240
+
+
+def _run(world: int, cell_list: list, tmp_path) -> dict:
+    run_ranks(world, launch.rank_main, cell_list, 0, str(tmp_path), TIMEOUT)
+    merged = {}
+    for index, cell in enumerate(cell_list):
+        ranks = [json.loads((tmp_path / f"{index}.rank{r}.json").read_text()) for r in range(world)]
+        merged[tuple(cell)] = launch.merge(ranks)
+    return merged
+
+
+def _failures(results: dict) -> dict:
+    return {cell: result for cell, result in results.items() if result["status"] != "pass"}
+
+
+@pytest.mark.parametrize("model_type", SAMPLE)
+def test_one_device_matches_eager(model_type):
+    result = cells.run_cell(model_type, cells.PLANS["one"], timeout=TIMEOUT)
+    assert result["status"] == "pass", result
+
+
+@pytest.mark.slow
+def test_two_layouts_match_eager(tmp_path):
+    cell_list = [[m, plan] for plan in LAYOUTS for m in SAMPLE] + [[m, "tp2sp"] for m in TP_FAMILIES]
+    results = _run(2, cell_list, tmp_path)
+    assert len(results) == len(cell_list)
+    assert _failures(results) == {}
+
+
+@pytest.mark.slow
+def test_tp2_ep2_with_the_default_cache_matches_eager(tmp_path):
+    results = _run(4, [["qwen2_moe", "tp2ep2"], ["qwen3_moe", "tp2ep2"]], tmp_path)
+    assert _failures(results) == {}
