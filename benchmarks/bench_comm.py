@@ -33,12 +33,12 @@ tensor: the all-reduce's tensor, the all-gather's output, the reduce-scatter's a
 all-to-all's input).
 
 Part 2 (skip with `--no-timing`): one training step (forward, backward, gradient
-reduction, AdamW) of llama-20m on gloo, 2 processes, tp=2 vs dp=2 at the same global
-batch, median ms per step (printed, not asserted).
+reduction, AdamW) of `--timing-model` (llama-20m) on gloo, 2 processes, tp=2 vs dp=2 at
+the same global batch, median ms per step (printed, not asserted).
 
     python benchmarks/bench_comm.py [--models llama2-7b,llama2-70b,deepseek-v3-671b]
-        [--batch-size 1] [--seq-len 4096] [--exact] [--no-timing]
-        [--out bench_results/comm.json]
+        [--plans tp2,dp8] [--batch-size 1] [--seq-len 4096] [--exact] [--no-timing]
+        [--timing-model llama-20m] [--out bench_results/comm.json]
 """
 from __future__ import annotations
 
@@ -248,6 +248,8 @@ def part1(args) -> list[dict]:
             config = dataclasses.replace(config, expert_impl="grouped_mm")
         seq = args.seq_len or config.max_seq_len
         for label, fields in (MOE_PLANS if moe else LLAMA_PLANS).items():
+            if args.plans and label not in args.plans:
+                continue
             from mxgraph.plan import Plan
             plan = Plan(**fields)
             result = {"model": name, "plan": label, "fields": fields, "batch": args.batch_size,
@@ -293,11 +295,11 @@ def _ratio(value) -> str:
 
 
 # ---- part 2: gloo step time, tp=2 vs dp=2 -----------------------------------------------
-def _time_rank(rank, world, fields, batch, seq, steps, results):
+def _time_rank(rank, world, model_name, fields, batch, seq, steps, results):
     import models
     import mxgraph as mx
     torch.manual_seed(0)
-    model = models.build_model("llama-20m")
+    model = models.build_model(model_name)
     plan = mx.Plan(**fields)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.config.vocab_size, (batch, seq + 1), generator=g)
@@ -332,12 +334,12 @@ def part2(args) -> list[dict]:
     from tests.distributed import run_ranks
     results = mp.get_context("spawn").Manager().list()
     for fields in (dict(tp=2), dict(dp=2)):
-        print(f"timing llama-20m {fields} on gloo ...", file=sys.stderr, flush=True)
-        run_ranks(2, _time_rank, fields, args.timing_batch, args.timing_seq,
+        print(f"timing {args.timing_model} {fields} on gloo ...", file=sys.stderr, flush=True)
+        run_ranks(2, _time_rank, args.timing_model, fields, args.timing_batch, args.timing_seq,
                   args.timing_steps, results)
     rows = list(results)
     for row in rows:
-        model = models.build_model("llama-20m", device="meta")
+        model = models.build_model(args.timing_model, device="meta")
         tokens = torch.zeros(row["per_rank_batch"], dtype=torch.long, device="meta")
         row["comm_bytes"] = comm_report(model, Plan(**row["fields"]), (tokens, tokens)).total()
     return rows
@@ -347,6 +349,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated presets")
+    parser.add_argument("--plans", default=None,
+                        help="comma-separated plan labels to run (default all; labels: "
+                             f"{', '.join(dict.fromkeys([*LLAMA_PLANS, *MOE_PLANS]))}); "
+                             "a model runs those of its family's table")
     parser.add_argument("--batch-size", type=int, default=1, help="micro-batch size b")
     parser.add_argument("--seq-len", type=int, default=None,
                         help="sequence length s (default: each model's max_seq_len)")
@@ -355,17 +361,24 @@ def main(argv=None) -> int:
                         help="trace every layer instead of scaling per layer (slow)")
     parser.add_argument("--no-timing", action="store_true", help="skip part 2 (gloo timing)")
     parser.add_argument("--timing-batch", type=int, default=4,
-                        help="global batch of the timed llama-20m step")
+                        help="global batch of the timed step")
     parser.add_argument("--timing-seq", type=int, default=128,
                         help="sequence length of the timed step")
     parser.add_argument("--timing-steps", type=int, default=3, help="timed steps (median)")
+    parser.add_argument("--timing-model", default="llama-20m",
+                        help="llama preset of the timed step (tp=2 must divide its heads)")
     parser.add_argument("--out", default="bench_results/comm.json")
     args = parser.parse_args(argv)
+    if args.plans is not None:
+        args.plans = args.plans.split(",")
+        unknown = [p for p in args.plans if p not in LLAMA_PLANS and p not in MOE_PLANS]
+        if unknown:
+            parser.error(f"unknown plan label(s) {unknown}")
     results = part1(args)
     differ = print_part1(results)
     timing = [] if args.no_timing else part2(args)
     if timing:
-        print(f"\nllama-20m on gloo, 2 processes, global batch {args.timing_batch} x "
+        print(f"\n{args.timing_model} on gloo, 2 processes, global batch {args.timing_batch} x "
               f"{args.timing_seq} tokens (ms per training step, median of "
               f"{args.timing_steps}):")
         for row in timing:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 RUNNERS = ("eager", "inductor", "mxgraph")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _status_kib(field: str) -> int:
@@ -98,7 +100,8 @@ def main(argv=None) -> int:
                        "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                        "--seq-len", str(args.seq_len)]
             print(f"running {model_name} / {runner} ...", file=sys.stderr, flush=True)
-            result = subprocess.run(command, capture_output=True, text=True)
+            env = dict(os.environ, PYTHONPATH=str(ROOT))  # this checkout's mxgraph and models
+            result = subprocess.run(command, capture_output=True, text=True, env=env)
             lines = [l for l in result.stdout.splitlines() if l.startswith("ROW ")]
             if result.returncode or not lines:
                 print(result.stderr[-2000:], file=sys.stderr)

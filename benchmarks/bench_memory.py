@@ -1,11 +1,12 @@
 """Memory benchmark: saved activations and step time per recompute/offload policy.
 
-Part 1 (CPU, measured): for llama-20m and moe-20m, each mxgraph policy's saved-activation
-bytes (measured at the forward/backward boundary of the compiled step, see
-mxgraph/memory_saved.py) and its estimate from the graph, next to eager PyTorch without
-and with `torch.utils.checkpoint` over whole layers (the peer; its saved bytes are
-counted with `torch.autograd.graph.saved_tensors_hooks`, reentrant checkpoint so the
-layer inputs pass through the hooks too), with the median step time of each.
+Part 1 (CPU, measured): for llama-20m and moe-20m (`--models`: any llama or MoE preset,
+with its family's POLICIES), each mxgraph policy's saved-activation bytes (measured at the
+forward/backward boundary of the compiled step, see mxgraph/memory_saved.py) and its
+estimate from the graph, next to eager PyTorch without and with `torch.utils.checkpoint`
+over whole layers (the peer; its saved bytes are counted with
+`torch.autograd.graph.saved_tensors_hooks`, reentrant checkpoint so the layer inputs pass
+through the hooks too), with the median step time of each.
 
 Part 2 (estimator, nothing allocated): per-rank memory of llama2-70b and deepseek-v3-671b
 under a few plans (mxgraph/memory_plan.py), and per-layer activation bytes beside
@@ -38,12 +39,12 @@ from mxgraph.memory_saved import estimate_saved, measure_step  # noqa: E402
 
 MiB = 2 ** 20
 GiB = 2 ** 30
-POLICIES = {
-    "llama-20m": [dict(), dict(recompute="norm,act"), dict(recompute="norm,act,attn"),
-                  dict(recompute="mlp"), dict(recompute="full"), dict(offload="all"),
-                  dict(recompute="norm,act", offload="attn")],
-    "moe-20m": [dict(), dict(recompute="moe_light"), dict(recompute="moe_medium"),
-                dict(recompute="moe_full"), dict(recompute="full"), dict(offload="moe")],
+POLICIES = {  # model family -> Plan fields of each policy
+    "llama": [dict(), dict(recompute="norm,act"), dict(recompute="norm,act,attn"),
+              dict(recompute="mlp"), dict(recompute="full"), dict(offload="all"),
+              dict(recompute="norm,act", offload="attn")],
+    "moe": [dict(), dict(recompute="moe_light"), dict(recompute="moe_medium"),
+            dict(recompute="moe_full"), dict(recompute="full"), dict(offload="moe")],
 }
 
 
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=128, help="CPU part: sequence length")
     parser.add_argument("--steps", type=int, default=3, help="CPU part: timed steps per runner")
     parser.add_argument("--est-seq", type=int, default=4096, help="estimator: sequence length")
-    parser.add_argument("--models", default="llama-20m,moe-20m", help="CPU part: presets")
+    parser.add_argument("--models", default="llama-20m,moe-20m", help="CPU part: llama or MoE presets")
     parser.add_argument("--skip-cpu", action="store_true", help="only the estimator part")
     parser.add_argument("--skip-estimator", action="store_true", help="only the CPU part")
     parser.add_argument("--json", default="bench_results/bench_memory.json", help="output JSON")
@@ -187,7 +188,8 @@ def main(argv=None) -> int:
             inputs = batch(cfg.vocab_size, args.batch, args.seq)
             rows = [bench_eager(name, inputs, args.steps, False),
                     bench_eager(name, inputs, args.steps, True)]
-            rows += [bench_mxgraph(name, inputs, args.steps, kw) for kw in POLICIES[name]]
+            family = models.PRESETS[name][0]
+            rows += [bench_mxgraph(name, inputs, args.steps, kw) for kw in POLICIES[family]]
             out["cpu"][name] = rows
             print(f"\n{name}  batch={args.batch} seq={args.seq} fp32, CPU "
                   f"{torch.get_num_threads()} thread(s)")

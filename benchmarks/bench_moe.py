@@ -370,7 +370,9 @@ def run_rate(args, rate: str, shaped: bool, bias: float, traces: Path) -> list[d
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
                OMP_NUM_THREADS="1")
     subprocess.run(command, check=True, env=env)
-    return json.loads(out.read_text())
+    rows = json.loads(out.read_text())
+    out.unlink()
+    return rows
 
 
 def main(argv=None) -> dict:

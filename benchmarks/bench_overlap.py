@@ -9,9 +9,11 @@ communication time and the exposed part of it from a torch.profiler trace of one
 (mxgraph/overlap_report.py: time the compute thread spends blocked on transfers), the
 fraction hidden, and the step-time ratio off/on (> 1: overlap faster).
 
+`--layouts` runs a subset (the peer runs with "pp2 1f1b"); `--rates none` the plain loopback.
+
     python benchmarks/bench_overlap.py [--rates 1gbit,4gbit] [--model llama-20m]
-        [--steps 5] [--batch-size 4] [--seq-len 128] [--micro-batches 4] [--tp-chunks 4]
-        [--out bench_results/overlap.json]
+        [--layouts dp2,tp2+SP,"pp2 1f1b","pp2 dualpipev"] [--steps 5] [--batch-size 4]
+        [--seq-len 128] [--micro-batches 4] [--tp-chunks 4] [--out bench_results/overlap.json]
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ def worker(args) -> None:
     tokens = torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g)
     targets = torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g)
     rows, traces = [], Path(args.traces)
-    for layout, fields in LAYOUTS.items():
+    for layout in args.layouts.split(","):
+        fields = LAYOUTS[layout]
         if "pp" in fields:
             fields = dict(fields, micro_batches=args.micro_batches)
         options = [None, True] + ([{"tp_chunks": args.tp_chunks}] if "tp" in fields else [])
@@ -86,7 +89,8 @@ def worker(args) -> None:
             summary = _profiled(train_step, traces / f"{name}.rank{rank}.json")
             rows.append(_row(args.rate, layout, label, seconds, summary))
             del step, opt, model
-    rows.append(_peer_row(args, rank, tokens, targets, traces))
+    if "pp2 1f1b" in args.layouts.split(","):
+        rows.append(_peer_row(args, rank, tokens, targets, traces))
     if rank == 0:
         Path(args.json).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -143,12 +147,14 @@ def run_rate(args, rate: str, traces: Path) -> list[dict]:
                "--json", str(out), "--traces", str(traces), "--model", args.model,
                "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches),
-               "--tp-chunks", str(args.tp_chunks)]
+               "--tp-chunks", str(args.tp_chunks), "--layouts", args.layouts]
     if rate != "none":
         command = [str(SHAPED_LINK), rate, "--"] + command
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     subprocess.run(command, check=True, env=env)
-    return json.loads(out.read_text())
+    rows = json.loads(out.read_text())
+    out.unlink()
+    return rows
 
 
 def main(argv=None) -> list[dict]:
@@ -156,6 +162,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--rates", default="1gbit,4gbit",
                         help="comma list of tc rates, or 'none' for the plain loopback")
     parser.add_argument("--model", default="llama-20m")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS),
+                        help=f"comma list of layouts (default all: {', '.join(LAYOUTS)}); the "
+                        "torch peer runs with pp2 1f1b")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per row")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
     parser.add_argument("--seq-len", type=int, default=128)
@@ -168,6 +177,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--traces", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    unknown = [name for name in args.layouts.split(",") if name not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layout(s) {unknown}; layouts: {', '.join(LAYOUTS)}")
     if args.worker:
         worker(args)
         return []

@@ -1,10 +1,12 @@
 """Auto Search checked against measured runs: predicted vs measured step time and memory.
 
-Setting (the issue's): 4 gloo ranks in a private network namespace whose loopback is
-rate-limited to `--rate` (1gbit) with tc tbf (../shared/tools/shaped-link), one OpenMP
-thread per rank (torchrun's default), llama-20m and moe-20m (routed experts as one grouped
-GEMM, `expert_impl=grouped_mm`, the form the search traces), global batch `--global-batch`
+Setting (the issue's): 4 gloo ranks (`--nproc`) in a private network namespace whose
+loopback is rate-limited to `--rate` (1gbit) with tc tbf (../shared/tools/shaped-link;
+`--rate none`: the plain loopback), one OpenMP thread per rank (torchrun's default),
+llama-20m and moe-20m (`--llama-model`, `--moe-model`; routed experts as one grouped GEMM,
+`expert_impl=grouped_mm`, the form the search traces), global batch `--global-batch`
 sequences of `--seq-len` tokens, float32 (what `mxgraph train` runs on the CPU).
+`--plans` runs a subset of PLANS (measure and predict).
 
 Steps (each can be skipped; results of earlier steps are read back from `--out`):
 1. **measure** - every plan of PLANS runs `mxgraph train` (torchrun, 4 ranks, the shaped
@@ -22,168 +24,68 @@ Steps (each can be skipped; results of earlier steps are read back from `--out`)
 2. **calibrate** - `mxgraph search --calibrate cpu --nproc 4` on the same shaped link
    writes the device TOML (GEMM, attention, elementwise and collective timings).
 3. **predict** - `mxgraph search --evaluate PLAN --device <calibrated TOML> --json` for
-   every measured plan; Spearman rank correlation of step times, median absolute step-time
-   error, memory error, and the top-1 of `mxgraph search` for the same setting against the
-   best measured plan (the top-1 is run with `mxgraph train` too when it is not among the
-   measured plans; unless it is the best measured plan, it and the best measured plan run
-   in turn `--rounds` times each and their medians are compared, side by side).
+   every measured plan (`--device`: another TOML or a built-in profile instead); Spearman
+   rank correlation of step times, median absolute step-time error, memory error, and the
+   top-1 of `mxgraph search` for the same setting against the best measured plan (the top-1
+   is run with `mxgraph train` too when it is not among the measured plans; unless it is
+   the best measured plan, it and the best measured plan run in turn `--rounds` times each
+   and their medians are compared, side by side).
 4. **scale** - the time `mxgraph search` takes for DeepSeek-V3 671B on 1024 H800s, and
    predicted vs published throughput for a few published layouts (PUBLISHED).
 
     python benchmarks/bench_search.py [--skip measure,calibrate,predict,scale]
-        [--rate 1gbit] [--steps 8] [--global-batch 8] [--seq-len 128]
-        [--out bench_results/search.json]
+        [--rate 1gbit] [--plans "llama dp4,moe ep4"] [--steps 8] [--global-batch 8]
+        [--seq-len 128] [--device cpu] [--out bench_results/search.json]
 """
 from __future__ import annotations
 
 import argparse
-import gc
-import gzip
-import itertools
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPED_LINK = ROOT.parent / "shared" / "tools" / "shaped-link"
+WORKER = Path(__file__).resolve().parent / "search_worker.py"
+"""Each rank of a measured plan: `mxgraph train` with timing and memory hooks."""
 NPROC = 4
+"""Ranks of the issue's setting (`--nproc`); the PLANS names count them (dp4: all 4 ranks)."""
 MOE_CONFIG = "expert_impl=grouped_mm"
-SECTION_STEPS = 3
-"""The slow-node monitor's interval: its last full one (steps 4-6 of 8) gives each rank's
-mean seconds per step in data, forward_backward, grad_sync, pipeline_wait, param_gather and
-optimizer (kept in the JSON as `sections_s`, to see where a misprediction comes from)."""
-PLANS: list[tuple[str, str, dict]] = [  # (name, model, Plan fields; mbs: sequences per micro-batch)
-    ("llama dp4", "llama-20m", {"mbs": 2}),
-    ("llama dp4 mbs1", "llama-20m", {"mbs": 1}),
-    ("llama dp4 zero1", "llama-20m", {"zero1": True, "mbs": 2}),
-    ("llama dp4 full", "llama-20m", {"recompute": "full", "mbs": 2}),
-    ("llama tp2 dp2", "llama-20m", {"tp": 2, "mbs": 4}),
-    ("llama tp2 sp dp2 act", "llama-20m", {"tp": 2, "sequence_parallel": True,
-                                               "recompute": "norm,act", "mbs": 4}),
-    ("llama tp2 pp2 1f1b", "llama-20m", {"tp": 2, "pp": 2, "schedule": "1f1b", "mbs": 2}),
-    ("llama pp2 dp2 1f1b", "llama-20m", {"pp": 2, "schedule": "1f1b", "mbs": 1}),
-    ("llama pp4 1f1b", "llama-20m", {"pp": 4, "schedule": "1f1b", "mbs": 1}),
-    ("llama pp4 zbh1", "llama-20m", {"pp": 4, "schedule": "zbh1", "mbs": 1}),
-    ("moe dp4", "moe-20m", {"mbs": 2}),
-    ("moe ep4", "moe-20m", {"ep": 4, "mbs": 2}),
-    ("moe ep2", "moe-20m", {"ep": 2, "mbs": 2}),
-    ("moe ep4 zero1", "moe-20m", {"ep": 4, "zero1": True, "mbs": 2}),
-    ("moe ep4 moe_full", "moe-20m", {"ep": 4, "recompute": "moe_full", "mbs": 2}),
-    ("moe pp2 ep2 1f1b", "moe-20m", {"pp": 2, "ep": 2, "schedule": "1f1b", "mbs": 1}),
-    ("moe tp2 ep2", "moe-20m", {"tp": 2, "ep": 2, "mbs": 4}),
+PLANS: list[tuple[str, str, dict]] = [  # (name, family, Plan fields; mbs: sequences per micro-batch)
+    ("llama dp4", "llama", {"mbs": 2}),
+    ("llama dp4 mbs1", "llama", {"mbs": 1}),
+    ("llama dp4 zero1", "llama", {"zero1": True, "mbs": 2}),
+    ("llama dp4 full", "llama", {"recompute": "full", "mbs": 2}),
+    ("llama tp2 dp2", "llama", {"tp": 2, "mbs": 4}),
+    ("llama tp2 sp dp2 act", "llama", {"tp": 2, "sequence_parallel": True,
+                                       "recompute": "norm,act", "mbs": 4}),
+    ("llama tp2 pp2 1f1b", "llama", {"tp": 2, "pp": 2, "schedule": "1f1b", "mbs": 2}),
+    ("llama pp2 dp2 1f1b", "llama", {"pp": 2, "schedule": "1f1b", "mbs": 1}),
+    ("llama pp4 1f1b", "llama", {"pp": 4, "schedule": "1f1b", "mbs": 1}),
+    ("llama pp4 zbh1", "llama", {"pp": 4, "schedule": "zbh1", "mbs": 1}),
+    ("moe dp4", "moe", {"mbs": 2}),
+    ("moe ep4", "moe", {"ep": 4, "mbs": 2}),
+    ("moe ep2", "moe", {"ep": 2, "mbs": 2}),
+    ("moe ep4 zero1", "moe", {"ep": 4, "zero1": True, "mbs": 2}),
+    ("moe ep4 moe_full", "moe", {"ep": 4, "recompute": "moe_full", "mbs": 2}),
+    ("moe pp2 ep2 1f1b", "moe", {"pp": 2, "ep": 2, "schedule": "1f1b", "mbs": 1}),
+    ("moe tp2 ep2", "moe", {"tp": 2, "ep": 2, "mbs": 4}),
 ]
+"""The family's preset is `--llama-model` (llama-20m) or `--moe-model` (moe-20m)."""
 
 
-def plan_fields(fields: dict, global_batch: int) -> tuple[dict, int]:
-    """(Plan fields with micro_batches, per-dp-rank batch) for a PLANS entry."""
+def plan_fields(fields: dict, global_batch: int, nproc: int) -> tuple[dict, int]:
+    """(Plan fields with micro_batches, per-dp-rank batch) for a PLANS entry on `nproc`
+    ranks (dp: the ranks tp, pp and cp leave)."""
     fields = dict(fields)
     mbs = fields.pop("mbs")
-    dp = NPROC // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))
+    dp = nproc // (fields.get("tp", 1) * fields.get("pp", 1) * fields.get("cp", 1))
     local = global_batch // dp
     return {**fields, "micro_batches": local // mbs}, local
-
-
-# ---- step 1: the ranks -------------------------------------------------------------------
-def live_tensor_bytes() -> int:
-    """Bytes of every live CPU tensor's storage (each storage once), gradients and the
-    training corpus (`mxgraph.data.Batches.tokens`: host data on any device, the same for
-    every plan) excluded."""
-    import torch
-
-    from mxgraph.data import Batches
-    objects = gc.get_objects()
-    tensors = [o for o in objects if isinstance(o, torch.Tensor)]
-    left_out = {_storage_key(o.tokens) for o in objects if isinstance(o, Batches)}
-    for t in tensors:
-        if isinstance(t, torch.nn.Parameter) and t.grad is not None:
-            left_out.add(_storage_key(t.grad))
-    seen, total = set(), 0
-    for t in tensors:
-        key = _storage_key(t)
-        if key is None or key in seen or key in left_out:
-            continue
-        seen.add(key)
-        total += key[1]
-    return total
-
-
-def _storage_key(t):
-    try:
-        if t.device.type != "cpu" or type(t).__name__ == "FakeTensor":
-            return None
-        storage = t.untyped_storage()
-        return (storage.data_ptr(), storage.nbytes())
-    except Exception:  # noqa: BLE001 - fake, functional or storage-less tensors
-        return None
-
-
-def trace_peak(path: Path) -> int:
-    """Peak of the CPU allocator's running total in a profiler trace, relative to its start."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    totals = [(e["ts"], e["args"]["Total Allocated"], e["args"].get("Bytes", 0))
-              for e in events if e.get("name") == "[memory]" and "Total Allocated" in e.get("args", {})]
-    if not totals:
-        return 0
-    totals.sort()
-    start = totals[0][1] - totals[0][2]
-    return max(0, max(t for _, t, _ in totals) - start)
-
-
-def worker(out: str, steps: int, warmup: int, train_argv: list[str]) -> int:
-    """Run `mxgraph train` with optimizer hooks that time every step and profile one."""
-    import torch
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    from mxgraph.cli import main as cli_main
-    rank = int(os.environ.get("RANK", "0"))
-    ends: list[float] = []
-    memory: dict = {}
-    profiled = steps - 1  # the step after this one's end (the last) is profiled: the gc walk
-    # and the profiler's start run in this hook, inside the optimizer section, after the
-    # monitor's last full interval (`SECTION_STEPS`)
-    state = {}
-
-    def hook(optimizer, args, kwargs):
-        ends.append(time.perf_counter())
-        if len(ends) == profiled:
-            memory["state_bytes"] = live_tensor_bytes()
-            state["prof"] = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
-            state["prof"].start()
-        elif len(ends) == profiled + 1 and "prof" in state:
-            state["prof"].stop()
-            path = Path(tempfile.mkdtemp()) / "trace.json"
-            state["prof"].export_chrome_trace(str(path))
-            memory["step_peak_bytes"] = trace_peak(path)
-            ends.append(time.perf_counter())  # the export is not the next step's time
-    register_optimizer_step_post_hook(hook)
-    import mxgraph.train as train_module
-    make_monitor, monitors = train_module.slow_node_monitor, []
-
-    def keep_monitor(*args, **kwargs):  # its level-0 sections: where the step's time goes
-        monitors.append(make_monitor(*args, **kwargs))
-        return monitors[-1]
-    train_module.slow_node_monitor = keep_monitor
-    code = cli_main(["train", *train_argv, "--monitor-every", str(SECTION_STEPS)])
-    intervals = [b - a for a, b in itertools.pairwise(ends)]
-    skip = {profiled - 1, profiled}  # the profiled step and the export
-    timed = [d for i, d in enumerate(intervals) if i >= warmup - 1 and i not in skip]
-    summaries = monitors[0].last_summaries if monitors else []
-    sections = {name: ms / 1e3 for name, ms in
-                summaries[rank]["sections"].items()} if len(summaries) > rank else {}
-    result = {"rank": rank, "code": code, "intervals": intervals,
-              "step_s": statistics.median(timed) if timed else None,
-              "sections_s": sections, **memory}
-    result["peak_bytes"] = memory.get("state_bytes", 0) + memory.get("step_peak_bytes", 0)
-    Path(f"{out}.rank{rank}").write_text(json.dumps(result))
-    return code
 
 
 def measure_one(args, name: str, model: str, plan, local: int, workdir: Path) -> dict:
@@ -199,20 +101,20 @@ def measure_one(args, name: str, model: str, plan, local: int, workdir: Path) ->
     if model.startswith("moe"):
         train_argv += ["--model-config", MOE_CONFIG]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={NPROC}", __file__, "--worker", str(out), "--steps",
+               f"--nproc-per-node={args.nproc}", str(WORKER), "--out", str(out), "--steps",
                str(args.steps), "--warmup", str(args.warmup), "--", *train_argv]
-    command = [str(SHAPED_LINK), args.rate, "--"] + command
+    command = shaped(args.rate, command)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     started = time.perf_counter()
     proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     ranks = []
-    for r in range(NPROC):
+    for r in range(args.nproc):
         path = Path(f"{out}.rank{r}")
         if path.exists():
             ranks.append(json.loads(path.read_text()))
     row = {"name": name, "model": model, "plan": fields, "plan_path": str(plan_path),
            "batch_per_dp_rank": local, "wall_s": round(time.perf_counter() - started, 1)}
-    if proc.returncode or len(ranks) < NPROC or any(r["step_s"] is None for r in ranks):
+    if proc.returncode or len(ranks) < args.nproc or any(r["step_s"] is None for r in ranks):
         row["error"] = (proc.stderr or proc.stdout)[-2000:]
         return row
     row["step_s"] = max(r["step_s"] for r in ranks)
@@ -221,27 +123,42 @@ def measure_one(args, name: str, model: str, plan, local: int, workdir: Path) ->
     return row
 
 
+def shaped(rate: str, command: list[str]) -> list[str]:
+    """`command` on the shaped link of `rate`, or as it is for "none" (the plain loopback)."""
+    return command if rate == "none" else [str(SHAPED_LINK), rate, "--"] + command
+
+
+def selected_plans(args) -> list[tuple[str, str, dict]]:
+    """The PLANS entries `--plans` names (all by default), with the family's preset."""
+    presets = {"llama": args.llama_model, "moe": args.moe_model}
+    return [(name, presets[family], fields) for name, family, fields in PLANS
+            if args.plans is None or name in args.plans]
+
+
 def measure(args, results: dict) -> None:
     from mxgraph.plan import Plan
     workdir = Path(args.out).parent / "search_plans"
     workdir.mkdir(parents=True, exist_ok=True)
     done = {r["name"]: r for r in results.get("measured", []) if "error" not in r}
     rows = []
-    for name, model, fields in PLANS:
-        if name in done and not args.remeasure:
+
+    def merged() -> list[dict]:  # this run's plans, then the others measured before
+        names = {r["name"] for r in rows}
+        return rows + [r for name, r in done.items() if name not in names]
+    for name, model, fields in selected_plans(args):
+        if name in done and done[name]["model"] == model and not args.remeasure:
             rows.append(done[name])
             continue
-        fields, local = plan_fields(fields, args.global_batch)
+        fields, local = plan_fields(fields, args.global_batch, args.nproc)
         row = measure_one(args, name, model, Plan(**fields), local, workdir)
         rows.append(row)
         print(f"measured {name}: " + (f"{row['step_s']:.3f} s/step, peak "
                                       f"{row['peak_bytes'] / 2**20:.0f} MiB"
                                       if "error" not in row else "FAILED " + row["error"][-300:]),
               f"({row['wall_s']} s)", flush=True)
-        results["measured"] = rows + [done[n] for n, _, _ in PLANS if n in done and
-                                      n not in {r['name'] for r in rows}]
+        results["measured"] = merged()
         save(args, results)
-    results["measured"] = rows
+    results["measured"] = merged()
 
 
 def save(args, results: dict) -> None:
@@ -271,7 +188,7 @@ PUBLISHED = [
 ]
 
 
-def spearman(xs: list[float], ys: list[float]) -> float:
+def spearman(xs: list[float], ys: list[float]) -> float | None:
     def ranks(values):
         order = sorted(range(len(values)), key=values.__getitem__)
         out = [0.0] * len(values)
@@ -280,6 +197,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
         return out
     rx, ry = ranks(xs), ranks(ys)
     n = len(xs)
+    if n < 2:
+        return None  # no order to compare
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
 
 
@@ -291,36 +210,41 @@ def _setting(model: str, device, args):
     config = models.preset_config(model)
     if model.startswith("moe"):
         config = dataclasses.replace(config, expert_impl="grouped_mm")
-    return Setting(config, device, NPROC, args.global_batch, args.seq_len, models)
+    return Setting(config, device, args.nproc, args.global_batch, args.seq_len, models)
 
 
 def later_steps(args, results: dict, skip: set) -> None:
     """Steps 2-4 (calibrate, predict, scale)."""
     device_path = Path(args.out).parent / "cpu_calibrated.toml"
     if "calibrate" not in skip:
-        command = [str(SHAPED_LINK), args.rate, "--", sys.executable, "-m", "mxgraph.cli",
-                   "search", "--calibrate", "cpu", "--nproc", str(NPROC), "--out",
-                   str(device_path)]
+        command = shaped(args.rate, [sys.executable, "-m", "mxgraph.cli", "search",
+                                     "--calibrate", "cpu", "--nproc", str(args.nproc), "--out",
+                                     str(device_path)])
         started = time.perf_counter()
         subprocess.run(command, check=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
         results["calibration"] = {"path": str(device_path),
                                   "seconds": round(time.perf_counter() - started, 1)}
         save(args, results)
     if "predict" not in skip:
-        predict_step(args, results, device_path, skip)
+        predict_step(args, results, args.device or device_path, skip)
         save(args, results)
     if "scale" not in skip:
         scale_step(args, results)
 
 
-def predict_step(args, results: dict, device_path: Path, skip: set) -> None:
+def predict_step(args, results: dict, device_path: Path | str, skip: set) -> None:
     from mxgraph.plan import Plan
     from mxgraph.search.cli import evaluate
     from mxgraph.search.enumerate import search
     from mxgraph.search.profiles import load_device
     device = load_device(str(device_path))
     settings = {}
-    rows = [r for r in results.get("measured", []) if "error" not in r]
+    wanted = {(name, model) for name, model, _ in selected_plans(args)}
+    rows = [r for r in results.get("measured", [])
+            if "error" not in r and (r["name"], r["model"]) in wanted]
+    if not rows:
+        raise SystemExit("predict: --out holds no measurement of the chosen plans and models; "
+                         "run the measure step first")
     for row in rows:
         setting = settings.setdefault(row["model"], _setting(row["model"], device, args))
         p = evaluate(setting, Plan.from_toml(row["plan_path"]), row["plan_path"])
@@ -344,7 +268,7 @@ def predict_step(args, results: dict, device_path: Path, skip: set) -> None:
                       "best_measured": best_measured["name"],
                       "best_measured_step_s": best_measured["step_s"]}
         same = [r for r in mine if _same(r, best)]
-        dp = NPROC // (best.plan.tp * best.plan.pp * best.plan.cp)
+        dp = args.nproc // (best.plan.tp * best.plan.pp * best.plan.cp)
         top1_run = (f"top-1 {model}", best.plan, args.global_batch // dp)
         if args.rounds and (same[0] is not best_measured if same else "measure" not in skip):
             side = side_by_side(args, model, top1_run, best_measured)
@@ -447,19 +371,23 @@ def scale_step(args, results: dict) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--worker":
-        split = argv.index("--")
-        own = argparse.ArgumentParser()
-        own.add_argument("--worker")
-        own.add_argument("--steps", type=int)
-        own.add_argument("--warmup", type=int)
-        known = own.parse_args(argv[:split])
-        return worker(known.worker, known.steps, known.warmup, argv[split + 1:])
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--skip", default="", help="comma list of steps to skip: measure, "
                         "calibrate, predict, scale")
-    parser.add_argument("--rate", default="1gbit", help="shaped link rate (tc tbf)")
+    parser.add_argument("--rate", default="1gbit",
+                        help="shaped link rate (tc tbf), or 'none' for the plain loopback")
+    parser.add_argument("--plans", default=None,
+                        help=f"comma list of PLANS names to measure and predict (default all: "
+                        f"{', '.join(name for name, _, _ in PLANS)})")
+    parser.add_argument("--nproc", type=int, default=NPROC,
+                        help=f"ranks (default {NPROC}, as the plan names count); a plan's dp is "
+                        "what its tp, pp and cp leave")
+    parser.add_argument("--llama-model", default="llama-20m", help="preset of the llama plans")
+    parser.add_argument("--moe-model", default="moe-20m", help="preset of the moe plans")
+    parser.add_argument("--device", default=None,
+                        help="predict: a built-in device profile (e.g. cpu) or device TOML "
+                        "(default: the calibrate step's, cpu_calibrated.toml beside --out)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per measured plan")
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the timing")
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per step")
@@ -471,10 +399,16 @@ def main(argv=None) -> int:
                         help="measure plans already in --out again")
     parser.add_argument("--out", default="bench_results/search.json")
     args = parser.parse_args(argv)
+    if args.plans is not None:
+        args.plans = args.plans.split(",")
+        unknown = sorted(set(args.plans) - {name for name, _, _ in PLANS})
+        if unknown:
+            parser.error(f"unknown plan(s) {unknown}")
     skip = set(filter(None, args.skip.split(",")))
     results = json.loads(Path(args.out).read_text()) if Path(args.out).exists() else {}
-    results["setting"] = {"nproc": NPROC, "rate": args.rate, "global_batch": args.global_batch,
-                          "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup}
+    results["setting"] = {"nproc": args.nproc, "rate": args.rate, "global_batch": args.global_batch,
+                          "seq_len": args.seq_len, "steps": args.steps, "warmup": args.warmup,
+                          "llama_model": args.llama_model, "moe_model": args.moe_model}
     if "measure" not in skip:
         measure(args, results)
         save(args, results)
