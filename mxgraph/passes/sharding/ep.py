@@ -15,7 +15,8 @@ Matches -> Rewrite to (per form of `moe_blocks`):
 
   grouped    G(X, W, cumsum(counts)) ... Y        G(X_l, W_l, cumsum(local)) ... Y_l
              (counts of any dtype: cast to int64 for the exchange; the offsets keep their
-             casts and dtype)
+             casts and dtype); B[ids] of a per-   B_l[repeat_interleave(local)] (each local
+             expert tensor B [E, ...] per row    row's local expert)
   gathered   W[ids] @ X ... Y, rows in token      perm = argsort(ids); counts =
              order (HF batched_mm)                bincount(ids); X_l = ep_dispatch(X[perm]);
                                                   ids_l = repeat_interleave(local);
@@ -84,6 +85,11 @@ def _weights_text(block: ExpertBlock, node: Node | None = None) -> str:
     weight = (reading or block.weights)[0]
     return f"{weight.param.meta.get('mx_slot_key', weight.param.name)} " \
            f"{list(weight.param.meta['val'].shape)}"
+
+
+def _gather_ids(gather: Node) -> Node:
+    """The ids of B[ids] or index_select(B, 0, ids)."""
+    return gather.args[1][0] if gather.target is aten.index.Tensor else gather.args[2]
 
 
 class ExpertSharder:
@@ -198,11 +204,21 @@ class ExpertSharder:
             for convert in reversed(block.offsets[:-1]):
                 offs_local = self.call(convert.target, (offs_local,) + tuple(convert.args[1:]),
                                        convert, convert.kwargs)
+            if block.gathers:  # each local row's local expert, for B[ids] of the block
+                total = x_local.args[3] if hot is None else \
+                    self.call(operator.add, (hot.total, hot.hot_total), x)
+                ids_local = self.call(aten.repeat_interleave.Tensor, (local,), x,
+                                      {"output_size": total})
         for node in block.nodes:
             node.replace_input_with(x, x_local)
         if hot is not None:
             with self.after(x):
-                extended = hot.replicate([grouped_args(g)[1] for g in block.gemms], x)
+                extended = hot.replicate([grouped_args(g)[1] for g in block.gemms] +
+                                         [g.args[0] for g in block.gathers], x)
+        for gather in block.gathers:
+            gather.replace_input_with(_gather_ids(gather), ids_local)
+            if hot is not None:
+                gather.replace_input_with(gather.args[0], extended[gather.args[0]])
         for gemm in block.gemms:
             gemm.replace_input_with(grouped_args(gemm)[2], offs_local)
             if hot is not None:

@@ -108,6 +108,7 @@ class ExpertBlock:
     offsets: list[Node] = field(default_factory=list)  # grouped: offs, its casts, the cumsum
     expert_ids: Node | None = None  # gathered: each row's expert [N]
     gemms: list[Node] = field(default_factory=list)  # GEMMs reading the expert weights
+    gathers: list[Node] = field(default_factory=list)  # grouped: B[ids] of per-expert tensors
     nodes: set[Node] = field(default_factory=set)  # grouped, gathered: rows -> exit (no rows)
     exit: Node | None = None  # the experts' output rows [N, ...] (loop by split: the cat)
     pieces: list[Node] = field(default_factory=list)  # loop: expert e's rows
@@ -123,6 +124,18 @@ class ExpertBlock:
     def first(self) -> Node:
         """A node of the block's experts (for messages)."""
         return (self.gemms or self.pieces or [self.weights[0].reads[0]])[0]
+
+
+def _gather_index(node: Node, value: Node) -> Node | None:
+    """ids when `node` is value[ids] or index_select(value, 0, ids), ids 1-D."""
+    if node.target is aten.index.Tensor and node.args[0] is value and len(node.args[1]) == 1:
+        ids = node.args[1][0]
+    elif node.target is aten.index_select.default and node.args[0] is value and \
+            is_dim0(node.args[1], value.meta["val"].dim()):
+        ids = node.args[2]
+    else:
+        return None
+    return ids if isinstance(val_of(ids), torch.Tensor) and ids.meta["val"].dim() == 1 else None
 
 
 def _weights(triples) -> list[ExpertWeight]:
@@ -224,7 +237,43 @@ class _Finder(RowRegions):
         if not self.entry(block, lambda g: [grouped_args(g)[0]]):
             return block
         gemms, allowed = set(block.gemms), set(chain) | {grouped_args(g)[1] for g in block.gemms}
-        return self.rows_to_exit(block, lambda user, value: user in gemms and value in allowed)
+        gathers = self.row_gathers(block)
+        self.rows_to_exit(block, lambda user, value: (user in gemms and value in allowed) or
+                          value in gathers)
+        if block.problem is None:
+            gathers = {g: v for g, v in gathers.items() if set(g.users) & block.nodes}
+            leak = [u for g in gathers for u in g.users if u not in block.nodes and
+                    u.target not in SINKS]
+            if leak:
+                block.problem = Problem(leak[0], "a per-expert tensor gathered for its rows "
+                                        "is also read outside the experts")
+            block.gathers = sorted(gathers, key=self.order.get)
+            block.weights += _weights((v[0], g, v[1]) for g, v in gathers.items())
+        return block
+
+    def row_gathers(self, block: ExpertBlock) -> dict[Node, tuple[Node, list[Node]]]:
+        """Gathers B[ids] (`index`, `index_select` on dim 0) of a parameter B [E, ...] of
+        this block's experts (through views keeping dim 0) by an integer ids [N] computed
+        from the block's routing top-k: per-expert tensors read per sorted row (module
+        docstring). gather -> (B, views)."""
+        num, rows = block.num_experts, block.rows.meta["val"].shape[0]
+        router = self.nearest_router([block.counts])
+        found = {}
+        for param in self.graph.find_nodes(op="placeholder"):
+            if not is_param(param) or param.meta["val"].dim() == 0 or \
+                    param.meta["val"].shape[0] != num:
+                continue
+            for view in descendants([param], keep=lambda u: u.target in WEIGHT_VIEWS):
+                for user in view.users:
+                    ids = _gather_index(user, view)
+                    if ids is None or not statically_known_true(ids.meta["val"].shape[0] == rows) \
+                            or ids.meta["val"].dtype.is_floating_point or \
+                            router is None or self.nearest_router([ids]) is not router:
+                        continue
+                    weight = expert_weight(view)
+                    if weight is not None and weight[0] is param:
+                        found[user] = weight
+        return found
 
     def gathered(self, ids: Node, group) -> ExpertBlock:
         num = int(group[0][0].meta["val"].shape[0])
@@ -419,6 +468,8 @@ class _Finder(RowRegions):
         reads = self.weight_reads()
         blocks = [self.grouped(offs, group) for offs, group in self.by_key(
             reads, "grouped", lambda read: grouped_args(read)[2]).items()]
+        taken = {g for block in blocks for g in block.gathers}  # a grouped block's B[ids]
+        reads = [r for r in reads if r[1] not in taken]
         blocks += [self.gathered(ids, group) for ids, group in self.by_key(
             reads, "gathered", lambda read: read.args[1][0]).items()]
         blocks += self.loops() + self.capacity(reads)
