@@ -25,9 +25,10 @@ With `moe.a2a_overlap` the padded rows run as two chunks along C (ceil(C/2) and 
 each with its own all-to-alls and a copy of the chain, so one chunk's all-to-all can fly
 while the other computes (the window pass, `overlap/moe.py`, orders them).
 
-Refused with a PlanError: the loop-by-gather form and a capacity-padded model (nothing to
-pad), drop_policy "probs" when no routing weight multiplies the experts' output,
-batched_gemm on a loop over experts, and ep's own refusals (`sharding/ep.py`).
+Refused with a PlanError: the loop-by-gather form, a capacity-padded model and experts that
+run on every token (the all-experts form; nothing to pad), drop_policy "probs" when no
+routing weight multiplies the experts' output, batched_gemm on a loop over experts, and ep's
+own refusals (`sharding/ep.py`).
 
 Precondition: as `shard_ep` (it runs instead of it when capacity_factor is set).
 Guarantee: no host sync in the block (no counts reach the host); expert parameters carry
@@ -88,6 +89,10 @@ class _Padder:
             raise PlanError(f"moe.capacity_factor: the experts at {module_of(block.first())} "
                             f"are already capacity-padded by the model; drop the plan's "
                             f"capacity_factor (or make the model dropless)")
+        if block.form == "dense":
+            raise PlanError(f"moe.capacity_factor: the experts at {module_of(block.first())} "
+                            f"run on every token (no rows routed to them to pad or drop); "
+                            f"drop the plan's capacity_factor")
         if block.form == "loop" and block.rows is None:
             raise PlanError(f"moe.capacity_factor is not built for experts that gather their "
                             f"rows by a routing mask ({where(block.first())}); route rows "

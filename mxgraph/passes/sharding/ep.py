@@ -29,6 +29,11 @@ Matches -> Rewrite to (per form of `moe_blocks`):
              combined on its own                  stack(count_nonzero(mask_e)); local chains
                                                   as above; O_e = split(Y, rows of x[t_e])[e]
                                                   for every e (its combine unchanged)
+  dense      every expert on every token, bmm    this rank's experts on the group's tokens:
+             over W [E, ...], summed over E      ep_all_gather of the tokens and scores,
+                                                 ep_reduce_scatter of the sum over local
+                                                 experts (`sharding/ep_dense.py`; EP ranks
+                                                 are data-parallel ranks: their tokens differ)
 
 With `Plan.moe.hot_experts` the grouped and gathered forms use the hot-expert frame of
 `sharding/ep_hot.py` instead of the exchange and dispatch above (replicated experts' rows stay
@@ -43,7 +48,8 @@ all-to-all's split sizes. New nodes go where their inputs are, then a stable top
 sort puts every node after its inputs (nodes already in order keep it).
 
 Refused with a PlanError naming the weights, the op and module that stopped the match and
-what would work: the capacity-padded form, experts held as one module each (unstacked
+what would work: the capacity-padded form, an all-experts block with an op between its
+expert GEMMs that is not per (expert, token), experts held as one module each (unstacked
 weights), a block whose rows are not routed by a top-k, a match stopped partway, an expert
 weight also read outside its block, ep not dividing the experts, and finding no block.
 
@@ -66,6 +72,7 @@ import mxgraph.runtime.collectives.ep  # noqa: F401 - registers the all-to-all o
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
 from mxgraph.ir import ancestors, insert_call
+from mxgraph.passes.sharding.ep_dense import shard_dense
 from mxgraph.passes.sharding.ep_hot import HotFrame, check_hot
 from mxgraph.passes.sharding.moe_blocks import ExpertBlock, find_expert_blocks
 from mxgraph.passes.sharding.moe_dataflow import grouped_args, module_of, where
@@ -341,6 +348,9 @@ class ExpertSharder:
             if e not in mine:
                 self.dead += list(block.chains[e] - {block.pieces[e]}) + \
                     list(block.weight_nodes[e])
+
+    def dense(self, block: ExpertBlock) -> None:
+        shard_dense(self, block)
 
     # ---- driver -----------------------------------------------------------------------
     def run(self) -> None:

@@ -46,6 +46,10 @@ def check_hot(sharder, block: ExpertBlock) -> None:
         raise PlanError(f"moe.hot_experts={sharder.hot} must be less than the experts per "
                         f"EP rank ({block.num_experts} experts / ep={sharder.ep} = {local} at "
                         f"{module_of(block.first())}); choose hot_experts in 0..{local - 1}")
+    if block.form == "dense":
+        raise PlanError(f"moe.hot_experts has nothing to replicate for experts that run on "
+                        f"every token ({where(block.first())}: no rows cross the all-to-all, "
+                        f"every rank's load is the same); set hot_experts=0")
     if block.form not in ("grouped", "gathered"):
         raise PlanError(f"moe.hot_experts is not built for a loop over experts "
                         f"({where(block.first())}): replicas join one GEMM over all local "

@@ -30,8 +30,13 @@ matmuls with a weight that is no data). N rows, E experts. Matches:
             stacked weights (held as one module per expert: parameters of its own, found
             and refused); its output goes into one cat (dim 0) in expert order (split) or
             to its own combine (gather)
-  capacity  bmm/baddbmm/matmul/einsum reading W [E, ...] whole: a padded [E, C, ...]
-            buffer per expert; recognised to be refused by name (not dropless)
+  dense     every expert on every token (`sharding/moe_dense.py`): the tokens x [T, ...]
+            repeated per expert (repeat(x, [E, 1]) or expand to [E, T, ...]), per-(expert,
+            token) ops weighted by a layout of the router's scores S [T, E], bmm with W
+            [E, ...] read whole, one sum over the experts (Llama 4's text experts)
+  capacity  bmm/baddbmm/matmul/einsum reading W [E, ...] whole, not reached as above: a
+            padded [E, C, ...] buffer per expert; recognised to be refused by name (not
+            dropless)
 
 Each block records its routing top-k (or argmax; None: not a routed block) and the
 combine (the first op after the exit that sums rows into tokens). A match stopped partway
@@ -51,9 +56,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from mxgraph.ir import CONVERT_OPS, VIEW_OPS, ancestors, descendants, packet
 from mxgraph.passes.sharding.moe_dataflow import (
     BATCHED_GEMMS,
-    COMBINES,
     GROUPED_GEMMS,
-    ROUTERS,
     SINKS,
     WEIGHT_VIEWS,
     RowRegions,
@@ -66,6 +69,7 @@ from mxgraph.passes.sharding.moe_dataflow import (
     val_of,
     where,
 )
+from mxgraph.passes.sharding.moe_dense import DenseMatch, find_dense
 
 aten = torch.ops.aten
 _NONZERO = frozenset({aten.nonzero.default, aten.where.default, aten.argwhere.default,
@@ -98,7 +102,7 @@ class ExpertWeight:
 class ExpertBlock:
     """One routed-MoE block (module docstring); fields a form does not use stay empty."""
 
-    form: str  # "grouped", "gathered", "loop" or "capacity"
+    form: str  # "grouped", "gathered", "loop", "dense" or "capacity"
     num_experts: int
     weights: list[ExpertWeight]
     topk: Node | None = None  # the routing top-k/argmax its counts, ids or masks come from
@@ -120,22 +124,11 @@ class ExpertBlock:
     stacked: bool = True  # loop: weights stacked [E, ...] (False: one module per expert)
     combine: Node | None = None
     problem: Problem | None = None
+    dense: DenseMatch | None = None  # dense: the match (layout of every value, scores)
 
     def first(self) -> Node:
         """A node of the block's experts (for messages)."""
         return (self.gemms or self.pieces or [self.weights[0].reads[0]])[0]
-
-
-def _gather_index(node: Node, value: Node) -> Node | None:
-    """ids when `node` is value[ids] or index_select(value, 0, ids), ids 1-D."""
-    if node.target is aten.index.Tensor and node.args[0] is value and len(node.args[1]) == 1:
-        ids = node.args[1][0]
-    elif node.target is aten.index_select.default and node.args[0] is value and \
-            is_dim0(node.args[1], value.meta["val"].dim()):
-        ids = node.args[2]
-    else:
-        return None
-    return ids if isinstance(val_of(ids), torch.Tensor) and ids.meta["val"].dim() == 1 else None
 
 
 def _weights(triples) -> list[ExpertWeight]:
@@ -237,7 +230,8 @@ class _Finder(RowRegions):
         if not self.entry(block, lambda g: [grouped_args(g)[0]]):
             return block
         gemms, allowed = set(block.gemms), set(chain) | {grouped_args(g)[1] for g in block.gemms}
-        gathers = self.row_gathers(block)
+        gathers = self.row_gathers(num, block.rows.meta["val"].shape[0],
+                                   self.nearest_router([block.counts]))
         self.rows_to_exit(block, lambda user, value: (user in gemms and value in allowed) or
                           value in gathers)
         if block.problem is None:
@@ -250,30 +244,6 @@ class _Finder(RowRegions):
             block.gathers = sorted(gathers, key=self.order.get)
             block.weights += _weights((v[0], g, v[1]) for g, v in gathers.items())
         return block
-
-    def row_gathers(self, block: ExpertBlock) -> dict[Node, tuple[Node, list[Node]]]:
-        """Gathers B[ids] (`index`, `index_select` on dim 0) of a parameter B [E, ...] of
-        this block's experts (through views keeping dim 0) by an integer ids [N] computed
-        from the block's routing top-k: per-expert tensors read per sorted row (module
-        docstring). gather -> (B, views)."""
-        num, rows = block.num_experts, block.rows.meta["val"].shape[0]
-        router = self.nearest_router([block.counts])
-        found = {}
-        for param in self.graph.find_nodes(op="placeholder"):
-            if not is_param(param) or param.meta["val"].dim() == 0 or \
-                    param.meta["val"].shape[0] != num:
-                continue
-            for view in descendants([param], keep=lambda u: u.target in WEIGHT_VIEWS):
-                for user in view.users:
-                    ids = _gather_index(user, view)
-                    if ids is None or not statically_known_true(ids.meta["val"].shape[0] == rows) \
-                            or ids.meta["val"].dtype.is_floating_point or \
-                            router is None or self.nearest_router([ids]) is not router:
-                        continue
-                    weight = expert_weight(view)
-                    if weight is not None and weight[0] is param:
-                        found[user] = weight
-        return found
 
     def gathered(self, ids: Node, group) -> ExpertBlock:
         num = int(group[0][0].meta["val"].shape[0])
@@ -301,6 +271,15 @@ class _Finder(RowRegions):
                                     f"per expert id ({ids.name})")
             return block
         return self.rows_to_exit(block, lambda user, value: value in side)
+
+    def dense(self, match: DenseMatch) -> ExpertBlock:
+        problem = Problem(match.problem[0], match.problem[1], "the all-experts form runs under "
+                          "ep when every op between its expert GEMMs is per (expert, token) and "
+                          "one sum over the experts combines them; set ep=1") \
+            if match.problem else None
+        return ExpertBlock("dense", match.num, _weights(match.weights), rows=match.x,
+                           gemms=match.gemms, nodes=match.nodes, exit=match.exit,
+                           problem=problem, dense=match)
 
     def capacity(self, reads) -> list[ExpertBlock]:
         """One block per routing top-k of the batched GEMMs over all experts."""
@@ -441,29 +420,6 @@ class _Finder(RowRegions):
                 todo.extend(node.all_input_nodes)
         return selects, params, weight_side
 
-    # ---- routing, combine -----------------------------------------------------------------
-    def nearest_router(self, starts: list[Node]) -> Node | None:
-        """The nearest top-k/argmax whose indices the `starts` are computed from."""
-        todo, seen = list(starts), set()
-        while todo:
-            node = todo.pop(0)
-            if node in seen:
-                continue
-            seen.add(node)
-            if node.target is operator.getitem and node.args[0].target in ROUTERS:
-                if node.args[1] == 1:
-                    return node.args[0]
-            elif node.target is aten.argmax.default:
-                return node
-            else:
-                todo.extend(node.all_input_nodes)
-        return None
-
-    def combine_of(self, start: Node | None) -> Node | None:
-        """The first op after `start` (in graph order) that sums rows into tokens."""
-        later = descendants([start]) if start is not None else set()
-        return min((n for n in later if n.target in COMBINES), key=self.order.get, default=None)
-
     def run(self) -> list[ExpertBlock]:
         reads = self.weight_reads()
         blocks = [self.grouped(offs, group) for offs, group in self.by_key(
@@ -472,7 +428,10 @@ class _Finder(RowRegions):
         reads = [r for r in reads if r[1] not in taken]
         blocks += [self.gathered(ids, group) for ids, group in self.by_key(
             reads, "gathered", lambda read: read.args[1][0]).items()]
-        blocks += self.loops() + self.capacity(reads)
+        dense = [self.dense(match) for match in find_dense(
+            self, [(param, read, views) for kind, read, param, views in reads if kind == "batched"])]
+        in_dense = {g for block in dense for g in block.gemms}
+        blocks += self.loops() + dense + self.capacity([r for r in reads if r[1] not in in_dense])
         covered = {r for b in blocks for w in b.weights for r in w.reads}
         for kind, read, param, views in reads:  # per-expert reads no block explains
             if read not in covered and kind == "select":
@@ -484,7 +443,8 @@ class _Finder(RowRegions):
             if block.form != "capacity":
                 block.topk = self.nearest_router(
                     [n for n in (block.counts, block.expert_ids) if n is not None] +
-                    [m.args[0] for m in block.masks])
+                    [m.args[0] for m in block.masks] +
+                    [score.source for score in (block.dense.scores if block.dense else [])])
             block.combine = self.combine_of(block.exit or (block.outputs or [None])[0])
             if block.topk is None and block.problem is None:
                 block.problem = Problem(block.first(), "its rows are not routed by a top-k (the "

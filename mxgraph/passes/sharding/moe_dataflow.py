@@ -8,8 +8,9 @@ along another dim, transposes and permutes keeping dim 0, norms and softmax over
 dims, matmuls whose other operand is no data, batched GEMMs over the rows, grouped GEMMs
 reading the rows), provided its other inputs are no data (computed from no user input)
 or allowed by the caller (the offsets of a grouped GEMM, gathered expert weights). The
-region's boundary is the users it refused: the ops that stop it. Nothing here changes a
-graph.
+region's boundary is the users it refused: the ops that stop it. `RowRegions` also finds
+the routing around a block: the nearest top-k a value is computed from, the first combine
+after one, and per-row gathers B[ids] of per-expert tensors. Nothing here changes a graph.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from mxgraph.ir import CAST_OPS, COPY_LIKE_OPS, VIEW_OPS, op_name, packet
+from mxgraph.ir import CAST_OPS, COPY_LIKE_OPS, VIEW_OPS, descendants, op_name, packet
 
 aten = torch.ops.aten
 
@@ -109,6 +110,18 @@ def count_of(value) -> tuple[Node, int] | None:
     return None
 
 
+def gather_index(node: Node, value: Node) -> Node | None:
+    """ids when `node` is value[ids] or index_select(value, 0, ids), ids 1-D."""
+    if node.target is aten.index.Tensor and node.args[0] is value and len(node.args[1]) == 1:
+        ids = node.args[1][0]
+    elif node.target is aten.index_select.default and node.args[0] is value and \
+            is_dim0(node.args[1], value.meta["val"].dim()):
+        ids = node.args[2]
+    else:
+        return None
+    return ids if isinstance(val_of(ids), torch.Tensor) and ids.meta["val"].dim() == 1 else None
+
+
 def data_dependent(graph: Graph) -> set[Node]:
     """The user inputs and every node computed from them."""
     data = set()
@@ -122,7 +135,7 @@ def data_dependent(graph: Graph) -> set[Node]:
 
 
 class RowRegions:
-    """Row-wise regions of one graph (module docstring)."""
+    """Row-wise regions of one graph and the routing around them (module docstring)."""
 
     def __init__(self, gm: GraphModule):
         self.graph = gm.graph
@@ -184,11 +197,56 @@ class RowRegions:
                 heapq.heappush(todo, (self.order[user], user))
         return region, boundary
 
+    # ---- routing, combine -----------------------------------------------------------------
+    def nearest_router(self, starts: list[Node]) -> Node | None:
+        """The nearest top-k/argmax whose indices the `starts` are computed from."""
+        todo, seen = list(starts), set()
+        while todo:
+            node = todo.pop(0)
+            if node in seen:
+                continue
+            seen.add(node)
+            if node.target is operator.getitem and node.args[0].target in ROUTERS:
+                if node.args[1] == 1:
+                    return node.args[0]
+            elif node.target is aten.argmax.default:
+                return node
+            else:
+                todo.extend(node.all_input_nodes)
+        return None
+
+    def combine_of(self, start: Node | None) -> Node | None:
+        """The first op after `start` (in graph order) that sums rows into tokens."""
+        later = descendants([start]) if start is not None else set()
+        return min((n for n in later if n.target in COMBINES), key=self.order.get, default=None)
+
+    def row_gathers(self, num: int, rows, router: Node | None
+                    ) -> dict[Node, tuple[Node, list[Node]]]:
+        """Gathers B[ids] (`index`, `index_select` on dim 0) of a parameter B [num, ...]
+        (through views keeping dim 0) by integer ids [rows] computed from the top-k
+        `router`: per-expert tensors read per row sorted by expert. gather -> (B, views)."""
+        found = {}
+        for param in self.graph.find_nodes(op="placeholder") if router is not None else ():
+            if not is_param(param) or param.meta["val"].dim() == 0 or \
+                    param.meta["val"].shape[0] != num:
+                continue
+            for view in descendants([param], keep=lambda u: u.target in WEIGHT_VIEWS):
+                for user in view.users:
+                    ids = gather_index(user, view)
+                    if ids is None or not statically_known_true(ids.meta["val"].shape[0] == rows) \
+                            or ids.meta["val"].dtype.is_floating_point or \
+                            self.nearest_router([ids]) is not router:
+                        continue
+                    weight = expert_weight(view)
+                    if weight is not None and weight[0] is param:
+                        found[user] = weight
+        return found
+
     def exits(self, region: set[Node]) -> list[Node]:
         return sorted((n for n in region if any(u not in region and u.target not in SINKS
                                                  for u in n.users)), key=self.order.get)
 
 
 __all__ = ["BATCHED_GEMMS", "COMBINES", "GROUPED_GEMMS", "ROUTERS", "SINKS", "WEIGHT_VIEWS",
-           "RowRegions", "count_of", "data_dependent", "expert_weight", "grouped_args",
+           "RowRegions", "count_of", "data_dependent", "expert_weight", "gather_index", "grouped_args",
            "is_dim0", "is_grouped_gemm", "is_param", "module_of", "val_of", "where"]

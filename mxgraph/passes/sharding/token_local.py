@@ -44,7 +44,8 @@ def local_regions(gm: GraphModule) -> list[set[Node]]:
     rules here do not reason about them)."""
     regions = []
     for block in find_expert_blocks(gm):
-        if block.topk is None or block.combine is None or block.problem is not None:
+        if block.topk is None or block.combine is None or block.problem is not None or \
+                block.form == "dense":  # every expert on every token: the core's own rules
             continue
         nodes = descendants([block.topk]) & ancestors([block.combine])
         if not any(_data_dependent(n) for n in nodes):

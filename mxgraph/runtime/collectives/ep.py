@@ -11,9 +11,16 @@ and the rows move with `all_to_all_single` with variable splits.
 | `ep_dispatch` | rows sorted by global expert -> rows sorted by local expert (then source rank) | `ep_combine` |
 | `ep_combine`  | the inverse: local-expert order -> back to the sender, in its original order | `ep_dispatch` |
 | `ep_all_to_all` | equal splits (capacity-padded experts, below)      | `ep_all_to_all`       |
+| `ep_all_gather` | every rank's rows stacked along dim 0 (all-experts form, below) | `ep_reduce_scatter` |
+| `ep_reduce_scatter` | the sum over the group, this rank's block of rows | `ep_all_gather` |
 
 `ep_all_to_all`: block s of the input [ep * m, ...] goes to rank s, block s of the output
 came from rank s; static shapes, no counts (passes/moe/capacity.py).
+
+`ep_all_gather` / `ep_reduce_scatter`: experts that run on every token (the all-experts
+form, passes/sharding/ep_dense.py) read the group's tokens and scores, and their partial
+sums (this rank's experts) come back summed over the group, each rank its own rows. Volume:
+the all-gather's output, the reduce-scatter's input.
 
 `ep_dispatch` and `ep_combine` are linear maps and each other's transpose (all-to-all
 plus a permutation of row blocks; rows past the counted ones are zero on output and
@@ -150,3 +157,39 @@ ep_all_to_all.register_autograd(lambda ctx, grad: (ep_all_to_all(grad, ctx.group
 
 KIND.update({"ep_counts": "all_to_all", "ep_dispatch": "all_to_all",
              "ep_combine": "all_to_all", "ep_all_to_all": "all_to_all"})
+
+
+@torch.library.custom_op("mxgraph::ep_all_gather", mutates_args=())
+def ep_all_gather(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """`x` [m, ...] of every rank of the group stacked along dim 0 in rank order: [ep * m,
+    ...] (the group's tokens, for experts that run on every token). Backward:
+    `ep_reduce_scatter` (each rank's rows get the sum of every rank's gradient for them)."""
+    out = x.new_empty(group_size(group_name) * x.shape[0], *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=process_group(group_name))
+    return out
+
+
+@ep_all_gather.register_fake
+def _(x, group_name):
+    return x.new_empty(group_size(group_name) * x.shape[0], *x.shape[1:])
+
+
+@torch.library.custom_op("mxgraph::ep_reduce_scatter", mutates_args=())
+def ep_reduce_scatter(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """`x` [ep * m, ...], a partial sum on every rank of the group: the sum's rows
+    [r*m, (r+1)*m) on rank r. Backward: `ep_all_gather`."""
+    out = x.new_empty(x.shape[0] // group_size(group_name), *x.shape[1:])
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=process_group(group_name))
+    return out
+
+
+@ep_reduce_scatter.register_fake
+def _(x, group_name):
+    return x.new_empty(x.shape[0] // group_size(group_name), *x.shape[1:])
+
+
+ep_all_gather.register_autograd(lambda ctx, grad: (ep_reduce_scatter(grad, ctx.group_name), None),
+                                setup_context=_keep_group)
+ep_reduce_scatter.register_autograd(lambda ctx, grad: (ep_all_gather(grad, ctx.group_name), None),
+                                    setup_context=_keep_group)
+KIND.update({"ep_all_gather": "all_gather", "ep_reduce_scatter": "reduce_scatter"})
