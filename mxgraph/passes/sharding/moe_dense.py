@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-from mxgraph.ir import CAST_OPS, COPY_LIKE_OPS, VIEW_OPS, packet
-from mxgraph.passes.sharding.moe_dataflow import SINKS, expert_weight, is_param, val_of
+from mxgraph.ir import CAST_OPS, COPY_LIKE_OPS, VIEW_OPS
+from mxgraph.passes.sharding.moe_dataflow import SINKS, expert_weight, is_param, val_of, where
 
 aten = torch.ops.aten
 EXPERTS, TOKENS = "E", "T"
@@ -51,7 +51,7 @@ _DROPS_DIM = frozenset({aten.unbind.int, aten.select.int})
 _LAST_DIM = frozenset({aten.linear.default, aten.mm.default, aten.rms_norm.default,
                        aten.layer_norm.default})
 _BATCHED = frozenset({aten.bmm.default, aten.matmul.default})
-_LAYOUT = VIEW_OPS | COPY_LIKE_OPS | {aten.transpose.int, aten.permute.default,
+_LAYOUT = VIEW_OPS | COPY_LIKE_OPS | {aten.transpose.int, aten.t.default, aten.permute.default,
                                       aten.unsqueeze.default, aten.squeeze.dim}
 
 
@@ -160,8 +160,8 @@ class _Walk:
                     heapq.heappush(todo, (order[user], user))
         if self.boundary:
             stop = min(self.boundary, key=order.get)
-            self.m.problem = (stop, f"{packet(stop)} reads the experts' per-(expert, token) "
-                              f"values and is none of the ops the all-experts form allows")
+            self.m.problem = (stop, f"{where(stop)} between the expert GEMMs is not per "
+                              f"(expert, token)")
         elif len(self.exits) != 1:
             self.m.problem = (self.exits[1] if self.exits else self.m.gemms[-1] if self.m.gemms
                               else self.m.entry, f"its experts have {len(self.exits)} sums over "
@@ -208,8 +208,8 @@ class _Walk:
         target, value = node.target, val_of(node)
         if target in VIEW_OPS:
             return regroup(dims, value.shape, self.m.size)
-        if target is aten.transpose.int:
-            a, b = (d % len(dims) for d in node.args[1:3])
+        if target in (aten.transpose.int, aten.t.default):
+            a, b = (d % len(dims) for d in node.args[1:3]) if node.args[1:] else (0, len(dims) - 1)
             out = list(dims)
             out[a], out[b] = dims[b], dims[a]
             return tuple(out)

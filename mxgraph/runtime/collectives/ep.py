@@ -165,7 +165,7 @@ def ep_all_gather(x: torch.Tensor, group_name: str) -> torch.Tensor:
     ...] (the group's tokens, for experts that run on every token). Backward:
     `ep_reduce_scatter` (each rank's rows get the sum of every rank's gradient for them)."""
     out = x.new_empty(group_size(group_name) * x.shape[0], *x.shape[1:])
-    dist.all_gather_into_tensor(out, x.contiguous(), group=process_group(group_name))
+    dist.all_gather_single(out, x.contiguous(), group=process_group(group_name))
     return out
 
 
@@ -179,7 +179,7 @@ def ep_reduce_scatter(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """`x` [ep * m, ...], a partial sum on every rank of the group: the sum's rows
     [r*m, (r+1)*m) on rank r. Backward: `ep_all_gather`."""
     out = x.new_empty(x.shape[0] // group_size(group_name), *x.shape[1:])
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=process_group(group_name))
+    dist.reduce_scatter_single(out, x.contiguous(), group=process_group(group_name))
     return out
 
 
