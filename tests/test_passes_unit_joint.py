@@ -269,3 +269,33 @@ def test_dead_code_leaves_a_graph_without_dead_code_alone():
     joint, _, _ = silu_joint()
     assert all(n.users for n in joint.gm.graph.nodes if n.op == "call_function")
     assert_left_alone("dead_code", joint.gm)
+
+
+# ---- safe_views_joint -----------------------------------------------------------------------
+def test_safe_views_joint_makes_merging_views_reshapes_bitwise():
+    """The linear layers' `view`s of [2, 4, 8] as [8, 8] fold two dims: they become
+    `reshape`s in place (same nodes); views that only split or add size-1 dims stay.
+    tests/test_view_strides.py runs a graph whose real strides make such a view fail."""
+    joint, values, _ = silu_joint()
+    gm = joint.gm
+    views = calls(gm, aten.view.default)
+    merging = [n for n in views if n.args[0].meta["val"].dim() > n.meta["val"].dim()]
+    assert merging and len(merging) < len(views)
+    expected = evaluate(gm, values)
+    result, _ = run("safe_views_joint", gm)
+    assert result is gm
+    assert all(n.target is aten.reshape.default and n.meta.get("val") is not None for n in merging)
+    assert all(n.target is aten.view.default for n in views if n not in merging)
+    assert not any(n.meta.get("created_by") for n in gm.graph.nodes)
+    assert_equal_outputs(evaluate(gm, values), expected)
+
+
+def views_that_split(x):
+    """Views of x [8, 8] valid for any strides: a dim split, a size-1 dim added, a scalar."""
+    return x.view(2, 4, 8).sin(), x.view(8, 1, 8).cos(), x.sum().view(1, 1)
+
+
+def test_safe_views_joint_leaves_views_that_only_split_alone():
+    gm = make_fx(views_that_split, tracing_mode="fake")(torch.randn(8, 8))
+    assert len(calls(gm, aten.view.default)) == 3
+    assert_left_alone("safe_views_joint", gm)

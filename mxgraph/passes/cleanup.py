@@ -1,6 +1,8 @@
-"""Clean-up passes: drop nodes that compute nothing, and dead code.
+"""Clean-up passes: drop nodes that compute nothing, and dead code; make the views the
+tracer recorded independent of strides.
 
-All are bitwise-neutral: they remove work whose result is unused or equal to its input.
+All are bitwise-neutral: they remove work whose result is unused or equal to its input, or
+replace an op by one that computes the same values.
 """
 from __future__ import annotations
 
@@ -71,6 +73,58 @@ def remove_noop_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
         elif node.target is aten.cat.default and _drop_empty_operands(node):
             changed = True
     return dead_code_pass(gm, ctx) if changed else gm
+
+
+def merges_dims(src_shape, dst_shape) -> bool:
+    """Whether reshaping `src_shape` to `dst_shape` folds two or more input dimensions of
+    size > 1 into one group (`[2, 16, 2, 4] -> [2, 16, 8]`, `[6, 4] -> [4, 6]`): only such a
+    view depends on the input's strides. Splitting a dimension and adding or dropping dims
+    of size 1 is a view for any strides; an empty tensor views in any shape. Unknown
+    (symbolic) sizes count as merging."""
+    if not all(isinstance(d, int) for d in (*src_shape, *dst_shape)):
+        return True
+    if 0 in src_shape:
+        return False
+    src, dst = [d for d in src_shape if d != 1], [d for d in dst_shape if d != 1]
+    i = j = 0
+    while i < len(src):
+        size_src, size_dst, first = src[i], dst[j], i
+        while size_src != size_dst:
+            if size_src < size_dst:
+                i += 1
+                size_src *= src[i]
+            else:
+                j += 1
+                size_dst *= dst[j]
+        if i > first:
+            return True
+        i, j = i + 1, j + 1
+    return False
+
+
+def safe_views_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
+    """Turn every `view` / `_unsafe_view` that merges dimensions (`merges_dims`) into
+    `reshape`.
+
+    Why: the tracer decomposed eager's `reshape` (the backward of every `view`) into `view`
+    where the *fake* strides allowed one, and a decomposition or fused op may lay its output
+    out otherwise at run time (torch's meta of `softplus_backward` says contiguous where the
+    CPU kernel follows its gradient's transposed layout; a `cat` of such values is then
+    channels-last and its `view` fails). `reshape` is that same view when the real strides
+    allow one and a copy otherwise, as in eager.
+
+    Precondition: a functional graph (no value's aliasing is observed). Guarantee: same
+    outputs, same nodes (target changed in place; meta, provenance and names kept); no view
+    in the graph depends on its input's strides. Numerics: bitwise equal. Returns `gm`.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (aten.view.default, aten._unsafe_view.default):
+            continue
+        src, out = node.args[0].meta.get("val"), node.meta.get("val")
+        if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)) or merges_dims(
+                tuple(src.shape), tuple(out.shape)):
+            node.target = aten.reshape.default
+    return gm
 
 
 def _has_side_effects(node: torch.fx.Node) -> bool:

@@ -11,7 +11,7 @@ disabled); `stop_after=` any step.
 from __future__ import annotations
 
 from mxgraph.errors import PlanError
-from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass
+from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass, safe_views_pass
 from mxgraph.passes.fusion.fuse import fuse_pass
 from mxgraph.passes.fusion.residual_grad import fuse_residual_grad_pass
 from mxgraph.passes.memory.offload import offload_pass
@@ -77,6 +77,9 @@ JOINT_PASSES = [
              "after overlap_reorder placed the expert all-to-alls' starts and waits: moves "
              "independent compute (shared expert, weight gradients) into their windows "
              "(Plan.moe.a2a_overlap)"),
+    PassSpec("safe_views_joint", safe_views_pass, "joint",
+             "after every pass that adds or clones views (remat, overlap): AOTAutograd chose view "
+             "over reshape by fake strides, which a decomposition's meta may state wrongly"),
     PassSpec("dead_code", dead_code_pass, "joint",
              "last: removes what earlier rewrites left unused (keeps random ops)"),
 ]
@@ -103,8 +106,16 @@ PIPELINE = [
              "last: Python code for each program, and this rank's executor"),
 ]
 
-EVAL_PIPELINE = [spec for spec in PIPELINE if spec.phase != "joint" and spec.name not in (
-    "grad", "split_bw", "monitor_points", "codegen")] + [
+_EVAL_STEPS = [spec for spec in PIPELINE if spec.phase != "joint" and spec.name not in (
+    "grad", "split_bw", "monitor_points", "codegen")]
+_AFTER_FORWARD = _EVAL_STEPS.index(FORWARD_PASSES[-1]) + 1
+
+EVAL_PIPELINE = _EVAL_STEPS[:_AFTER_FORWARD] + [
+    PassSpec("safe_views", safe_views_pass, "forward",
+             "evaluation, after the forward passes: the forward graph is the program, and "
+             "torch.export chose view over reshape by fake strides (as AOTAutograd for "
+             "safe_views_joint)"),
+] + _EVAL_STEPS[_AFTER_FORWARD:] + [
     PassSpec("forward_programs", forward_programs_step, "step",
              "evaluation: each stage's forward graph is its program (no backward)"),
     PIPELINE[-1],  # codegen
