@@ -119,3 +119,13 @@ def test_qwen3_next_tiny_matches_eager_in_fp32():
         assert grads[name] is not None, name
         assert torch.equal(grads[name], p.grad), name
         assert (grads[name] - q.grad).abs().max().item() <= 1e-6 * largest, name
+
+
+def test_eval_loss_runs_the_rule_and_equals_eager_bitwise():
+    """A forward-only compile runs the same rule (`safe_views`, after the forward passes)."""
+    model, x = _gate_heads()
+    step = mx.compile(model, mx.Plan(), example=(x,))
+    loss = step.eval_loss(x)
+    assert "safe_views" in [r["pass"] for r in step.contexts[-1].records]
+    with torch.no_grad():
+        assert torch.equal(loss, model.eval()(x))

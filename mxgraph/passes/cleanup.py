@@ -106,12 +106,14 @@ def safe_views_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """Turn every `view` / `_unsafe_view` that merges dimensions (`merges_dims`) into
     `reshape`.
 
-    Why: the tracer decomposed eager's `reshape` (the backward of every `view`) into `view`
-    where the *fake* strides allowed one, and a decomposition or fused op may lay its output
-    out otherwise at run time (torch's meta of `softplus_backward` says contiguous where the
-    CPU kernel follows its gradient's transposed layout; a `cat` of such values is then
-    channels-last and its `view` fails). `reshape` is that same view when the real strides
-    allow one and a copy otherwise, as in eager.
+    Why: AOTAutograd decomposed eager's `reshape` (the backward of every `view`) into `view`
+    where the *fake* strides allowed one, and an op may lay its output out otherwise at run
+    time (torch's meta of `softplus_backward` says contiguous where the CPU kernel follows
+    its gradient's transposed layout; a `cat` of such values is then channels-last and its
+    `view` fails); in a forward graph, a user's `view` that eager's layout allowed may read
+    the output of an op a forward pass put in (a fused kernel, a collective) laid out
+    otherwise. `reshape` is that same view when the real strides allow one and a copy
+    otherwise, as in eager.
 
     Precondition: a functional graph (no value's aliasing is observed). Guarantee: same
     outputs, same nodes (target changed in place; meta, provenance and names kept); no view

@@ -112,9 +112,9 @@ _AFTER_FORWARD = _EVAL_STEPS.index(FORWARD_PASSES[-1]) + 1
 
 EVAL_PIPELINE = _EVAL_STEPS[:_AFTER_FORWARD] + [
     PassSpec("safe_views", safe_views_pass, "forward",
-             "evaluation, after the forward passes: the forward graph is the program, and "
-             "torch.export chose view over reshape by fake strides (as AOTAutograd for "
-             "safe_views_joint)"),
+             "evaluation, after the forward passes: the forward graph is the program, and an "
+             "op they put in (fused kernel, collective) may lay out its output otherwise than "
+             "the ops a user's view read in eager"),
 ] + _EVAL_STEPS[_AFTER_FORWARD:] + [
     PassSpec("forward_programs", forward_programs_step, "step",
              "evaluation: each stage's forward graph is its program (no backward)"),
