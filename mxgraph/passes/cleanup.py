@@ -15,8 +15,8 @@ from mxgraph.ir import IDENTITY_OPS, is_mutating, is_random
 aten = torch.ops.aten
 
 
-def _is_identity(node: torch.fx.Node) -> bool:
-    if node.target in IDENTITY_OPS:
+def _is_identity(node: torch.fx.Node, identities: frozenset) -> bool:
+    if node.target in identities:
         return True
     if node.target in (aten.dropout.default,):  # dropout(x, p, train)
         return node.args[1] == 0 or node.args[2] is False
@@ -52,13 +52,29 @@ def _drop_empty_operands(node: torch.fx.Node) -> bool:
 
 
 def remove_noop_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
-    """Replace identity ops (alias, detach, dropout with p=0 or train=False, a copy to the
-    same dtype and device) by their input, drop tensor-metadata asserts, and drop the empty
-    1-D operands of `cat` (a cache's first concatenation: `cat([tensor([]), k], -2)`).
+    """Replace identity ops of a forward graph (alias, dropout with p=0 or train=False, a
+    copy to the same dtype and device) by their input, drop tensor-metadata asserts, and drop
+    the empty 1-D operands of `cat` (a cache's first concatenation: `cat([tensor([]), k], -2)`).
+    A `detach` stays: before autograd it stops gradients (the model's own `.detach()`, the
+    edges out of a `torch.no_grad()` region, `mxgraph.hops`).
 
-    Precondition: a functional graph. Guarantee: same outputs. Numerics: bitwise equal.
-    Returns `gm` itself when nothing changed.
+    Precondition: a functional forward graph. Guarantee: same outputs, same gradients.
+    Numerics: bitwise equal. Returns `gm` itself when nothing changed.
     """
+    return _remove_noop(gm, ctx, frozenset({aten.alias.default}))
+
+
+def remove_noop_joint_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
+    """`remove_noop_pass` on a joint graph, where `detach` is an identity too (the backward
+    is derived already; AOTAutograd leaves detaches of saved values).
+
+    Precondition: a functional joint graph. Guarantee: same outputs. Numerics: bitwise
+    equal. Returns `gm` itself when nothing changed.
+    """
+    return _remove_noop(gm, ctx, IDENTITY_OPS)
+
+
+def _remove_noop(gm: GraphModule, ctx: CompileContext, identities: frozenset) -> GraphModule:
     changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -66,7 +82,7 @@ def remove_noop_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
         if node.target is aten._assert_tensor_metadata.default and not node.users:
             gm.graph.erase_node(node)
             changed = True
-        elif _is_identity(node):
+        elif _is_identity(node, identities):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             changed = True

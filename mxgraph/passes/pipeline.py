@@ -11,7 +11,7 @@ disabled); `stop_after=` any step.
 from __future__ import annotations
 
 from mxgraph.errors import PlanError
-from mxgraph.passes.cleanup import dead_code_pass, remove_noop_pass, safe_views_pass
+from mxgraph.passes.cleanup import dead_code_pass, remove_noop_joint_pass, remove_noop_pass, safe_views_pass
 from mxgraph.passes.fusion.fuse import fuse_pass
 from mxgraph.passes.fusion.residual_grad import fuse_residual_grad_pass
 from mxgraph.passes.memory.offload import offload_pass
@@ -38,7 +38,8 @@ from mxgraph.passes.steps import (
 
 FORWARD_PASSES = [
     PassSpec("remove_noop", remove_noop_pass, "forward",
-             "first: later matchers then see no alias/detach/identity dropout between ops"),
+             "first: later matchers then see no alias/identity dropout between ops (a detach "
+             "stays: it stops gradients until autograd)"),
     PassSpec("moe_capacity", moe_capacity_pass, "forward",
              "before shard_ep, instead of it when moe.capacity_factor is set: it pads the MoE "
              "blocks as traced and shards them over ep with equal-block all-to-alls"),
@@ -58,7 +59,7 @@ FORWARD_PASSES = [
 ]
 
 JOINT_PASSES = [
-    PassSpec("remove_noop_joint", remove_noop_pass, "joint",
+    PassSpec("remove_noop_joint", remove_noop_joint_pass, "joint",
              "AOTAutograd leaves detach nodes for saved values; drop them before analyses"),
     PassSpec("fuse_residual_grad", fuse_residual_grad_pass, "joint",
              "after autograd: only the joint graph shows a residual gradient added to a fused "
