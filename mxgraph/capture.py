@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, TensorArgument
 
 from mxgraph.errors import TraceError
+from mxgraph.hops import inline_regions
 
 
 @dataclass
@@ -101,7 +102,7 @@ def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> ForwardGraph:
             slots.append(Slot("input", len([s for s in slots if s.kind == "input"])))
     user_leaves = pytree.tree_leaves((args, kwargs))
     _check_user_inputs(signature, user_leaves)
-    gm = ep.graph_module
+    gm = inline_regions(ep.graph_module)  # no_grad / autocast regions as plain nodes
     for node, slot in zip(gm.graph.find_nodes(op="placeholder"), slots, strict=True):
         node.meta["mx_slot_kind"], node.meta["mx_slot_key"] = slot.kind, slot.key
     annotate_modules(gm)

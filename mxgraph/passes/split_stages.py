@@ -177,6 +177,10 @@ def _extract(forward: ForwardGraph, placeholders: list[Node], nodes: set[Node],
             env[node] = _placeholder(graph, node)
             slots.append(Slot("input", len(inputs) + len(user_inputs)))
             user_inputs.append(slot.key)
+    for node in sorted(used, key=order.get):  # a submodule or tensor attribute: the stage's
+        if node.op == "get_attr":              # GraphModule copies it from the root
+            env[node] = graph.get_attr(node.target)
+            env[node].meta = dict(node.meta)
     for node in sorted(nodes, key=order.get):
         if node in env:
             continue
