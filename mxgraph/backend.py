@@ -8,8 +8,14 @@ into forward and backward. Registered under the `torch_dynamo_backends` entry po
 import is needed. Options: `torch.compile(..., options={"plan": Plan(...)})` (one-device
 plans only).
 
+The region's functional forward is differentiated again by AOTAutograd, so the ops
+functionalization leaves without an autograd formula are decomposed into differentiable ones
+as it is exported (`FORWARD_DECOMPOSITIONS`: `aten.copy`, from an in-place `copy_` into a
+slice, as deepseek_v3's key assembly does).
+
 A region AOTAutograd cannot export as a plain function (it mutates a buffer or an input,
-say) runs without the forward passes: a warning names the region and the exception, the
+say, or calls a custom `autograd.Function`, whose backward only the region as Dynamo gave it
+keeps) runs without the forward passes: a warning names the region and the exception, the
 dump summary counts it (`fallback` record), and `MXGRAPH_STRICT=1` raises instead.
 """
 from __future__ import annotations
@@ -62,11 +68,51 @@ def mxmaca_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     return compiler(region, example_inputs)
 
 
+def _differentiable_copy(self, src, non_blocking=False):
+    """`aten.copy` (what functionalization makes of an in-place `copy_`, as in
+    `buf[..., :n].copy_(x)`) as ops autograd can differentiate: `src` converted to `self`'s
+    dtype and device, broadcast to its shape, in a fresh tensor laid out like `self` when
+    `self` is dense. The values are the copy's, bitwise; the gradient reaches `src` (summed
+    over the broadcast dims, cast back), and none reaches `self`, as for eager `copy_`."""
+    value = src.to(dtype=self.dtype, device=self.device).expand(self.shape)
+    order = _dense_order(self)
+    if order is None or order == sorted(order):
+        return value.clone(memory_format=torch.contiguous_format)
+    inverse = sorted(range(self.dim()), key=order.__getitem__)
+    return value.permute(order).clone(memory_format=torch.contiguous_format).permute(inverse)
+
+
+def _dense_order(t: torch.Tensor) -> list[int] | None:
+    """The dims of `t` from the largest stride down when its elements fill its storage
+    without gaps or overlap (a permutation of a contiguous tensor), else None."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
+    expected = 1
+    for d in reversed(order):
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return None
+        expected *= t.size(d)
+    return order
+
+
+FORWARD_DECOMPOSITIONS = {torch.ops.aten.copy.default: _differentiable_copy}
+"""Ops that functionalizing the region leaves and that have no autograd formula (the region
+graph is differentiated again by AOTAutograd), each as differentiable ops."""
+
+
 def _functional_forward(gm, example_inputs, ctx: CompileContext):
-    """The region as a functional ATen graph (forward only), or None (after a warning, or
-    an error under MXGRAPH_STRICT=1) when it cannot be one."""
+    """The region as a functional ATen graph (forward only) that AOTAutograd can
+    differentiate again (`FORWARD_DECOMPOSITIONS`), or None (after a warning, or an error
+    under MXGRAPH_STRICT=1) when it cannot be one: a custom `autograd.Function` (Dynamo's
+    `autograd_function_apply`) keeps its own backward only in the region as Dynamo gave it."""
+    custom = sorted({str(n.meta.get("source_fn_stack", [("", "")])[-1][0]) or n.name
+                     for n in gm.graph.find_nodes(op="call_function",
+                                                  target=torch.ops.higher_order.autograd_function_apply)})
     try:
-        forward, signature = aot_export_module(gm, list(example_inputs), trace_joint=False)
+        if custom:
+            raise TraceError(f"it calls a custom autograd.Function ({', '.join(custom)}), whose "
+                             f"backward a functional forward graph would lose")
+        forward, signature = aot_export_module(gm, list(example_inputs), trace_joint=False,
+                                               decompositions=FORWARD_DECOMPOSITIONS)
     except Exception as error:  # noqa: BLE001 - reported below, never swallowed silently
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
     else:
