@@ -9,7 +9,8 @@ mean next-token cross-entropy of `.logits.float()`; the HF model is called with
 A plan's cell runs STEPS SGD steps (the optimizer on `step.parameters()` right after
 `mx.compile`, as the README does) on random tokens and compares, with a deep copy of the
 model taken before the compile as the eager reference (accumulated over the same
-data-parallel and micro-batch chunks, as tests/test_pipeline_exec.py's `check_plan`):
+data-parallel and micro-batch chunks, as tests/test_pipeline_exec.py's `check_plan`; both
+start each step from the same RNG seed, `RNG_SEED`):
 the loss of every step (relative error <= LOSS_TOL), the gradients of step 1 (except under
 ZeRO-1, whose gradients live in flat shards) and the parameters after the last step (each
 within GRAD_TOL of the reference's norm, floored at 1e-3 of the largest norm: this rank's
@@ -44,6 +45,10 @@ from .shrink import EXPERTS, VOCAB, shrink
 
 BATCH, SEQ, STEPS, LR = 2, 16, 3, 1e-2
 """Per data-parallel rank: 2 sequences of 16 tokens; 3 SGD steps at lr 1e-2."""
+RNG_SEED = 1000
+"""Step i of both the plan and the eager reference starts from `torch.manual_seed(RNG_SEED + i)`:
+a model that draws random numbers in training (PhiMoE's Gumbel routing) draws the same ones
+where the plan runs its random ops in eager's order (one device, one micro-batch)."""
 CAUSAL_ATOL = 1e-5
 """Largest change of a logit before the last token when only the last token changes."""
 
@@ -218,9 +223,11 @@ def _compare(model_type: str, case: PlanCase, rank: int, world: int) -> dict:
     chunks = dp * plan.micro_batches
     errors = {"loss": (0.0, ""), "grad": (0.0, ""), "param": (0.0, "")}
     for i, (tokens, targets) in enumerate(data):
+        torch.manual_seed(RNG_SEED + i)  # random ops (router sampling) draw alike in both
         loss = step(tokens[mine], targets[mine])
         if case.backend:
             loss.backward()
+        torch.manual_seed(RNG_SEED + i)
         ref_loss = sum(reference(x, y) / chunks for x, y in
                        zip(tokens.chunk(chunks), targets.chunk(chunks), strict=True))
         ref_loss.backward()
