@@ -143,21 +143,27 @@ class Noops(nn.Module):
         return torch.relu(h).sum()
 
 
-IDENTITIES = (aten.alias.default, aten.detach.default, aten.dropout.default,
-              aten._to_copy.default)
+IDENTITIES = (aten.alias.default, aten.dropout.default, aten._to_copy.default)
 
 
 def test_remove_noop_drops_identities_and_rewires_their_users():
+    """Before autograd a detach stops gradients: the forward pass keeps it, the joint one
+    (after autograd) drops it too."""
     model, x = Noops(), x_bsh()
     forward = capture(model, (x,), {})
     gm = forward.gm
-    assert all(calls(gm, op) for op in IDENTITIES), nodes_of(gm)  # the trace kept them
+    assert all(calls(gm, op) for op in IDENTITIES + (aten.detach.default,)), nodes_of(gm)
     values = forward_inputs(model, forward, (x,))
     expected = evaluate(gm, values)
     result, _ = run("remove_noop", gm)
     assert result is gm
     assert not any(calls(gm, op) for op in IDENTITIES), nodes_of(gm)
     (relu,) = calls(gm, aten.relu.default)
+    (detach,) = calls(gm, aten.detach.default)
+    assert relu.args[0] is detach and detach.args[0] is calls(gm, aten.linear.default)[0]
+    assert_equal_outputs(evaluate(gm, values), expected)
+    result, _ = run("remove_noop_joint", gm)
+    assert result is gm and not calls(gm, aten.detach.default)
     assert relu.args[0] is calls(gm, aten.linear.default)[0]
     assert_equal_outputs(evaluate(gm, values), expected)
 
