@@ -104,12 +104,11 @@ def _functional_forward(gm, example_inputs, ctx: CompileContext):
     differentiate again (`FORWARD_DECOMPOSITIONS`), or None (after a warning, or an error
     under MXGRAPH_STRICT=1) when it cannot be one: a custom `autograd.Function` (Dynamo's
     `autograd_function_apply`) keeps its own backward only in the region as Dynamo gave it."""
-    custom = sorted({str(n.meta.get("source_fn_stack", [("", "")])[-1][0]) or n.name
-                     for n in gm.graph.find_nodes(op="call_function",
-                                                  target=torch.ops.higher_order.autograd_function_apply)})
+    custom = sorted({_call_site(n) for n in gm.graph.find_nodes(
+        op="call_function", target=torch.ops.higher_order.autograd_function_apply)})
     try:
         if custom:
-            raise TraceError(f"it calls a custom autograd.Function ({', '.join(custom)}), whose "
+            raise TraceError(f"it calls a custom autograd.Function ({'; '.join(custom)}), whose "
                              f"backward a functional forward graph would lose")
         forward, signature = aot_export_module(gm, list(example_inputs), trace_joint=False,
                                                decompositions=FORWARD_DECOMPOSITIONS)
@@ -129,3 +128,14 @@ def _functional_forward(gm, example_inputs, ctx: CompileContext):
                   BackendFallbackWarning, stacklevel=2)
     record_graphs(ctx, "fallback", "step", [("region", gm)], 0.0, reason=reason.replace(" ", "_"))
     return None
+
+
+def _call_site(node) -> str:
+    """`file:line `code`` of the model line that made `node` (Dynamo's stack trace), else its name."""
+    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").splitlines()
+             if line.strip() and not set(line.strip()) <= set("^~ ")]
+    if len(lines) >= 2 and lines[-2].startswith("File "):
+        where = lines[-2].split('"')
+        line = lines[-2].rsplit("line ", 1)[-1].split(",")[0]
+        return f"{where[1].rsplit('/', 1)[-1] if len(where) > 1 else '?'}:{line} `{lines[-1]}`"
+    return node.name

@@ -172,6 +172,18 @@ def test_phimoe_one_device_matches_eager():
         assert floored_err(param.grad, ref, scale) <= GRAD_TOL, name
 
 
+def phimoe_eval() -> nn.Module:
+    """The zoo's PhiMoE (transformers' defaults, sizes only) in eval mode: no Gumbel sampling,
+    so micro-batches on two ranks route as eager does; the no_grad mask regions stay."""
+    from benchmarks.hf_zoo.cells import build
+    return build("phimoe").eval()
+
+
+def test_phimoe_pp2_1f1b_matches_eager():
+    pytest.importorskip("transformers")
+    run_ranks(2, check_plan, phimoe_eval, dict(pp=2, schedule="1f1b", micro_batches=2), 2, 2, 16)
+
+
 class SliceCopy(nn.Module):
     """Writes two projections into slices of a fresh buffer with `copy_` (deepseek_v3's
     `expand_kv`): functionalized, an `aten.copy` that autograd cannot differentiate."""
@@ -203,3 +215,39 @@ def test_backend_differentiates_copy_into_slices():
     assert rel_err(loss.detach(), ref_loss.detach()) <= LOSS_TOL
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert rel_err(p.grad, q.grad) <= 1e-6, name  # the same ops: rounding-level at most
+
+
+class RoundSTE(torch.autograd.Function):
+    """round() with a straight-through gradient: a backward no op formula derives."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class Quantized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return RoundSTE.apply(self.lin(x) * 4).pow(2).mean()
+
+
+def test_backend_keeps_a_custom_autograd_function_backward():
+    """Dynamo keeps the Function's backward (`autograd_function_apply`); a functional forward
+    would lose it (round's gradient is 0), so the region falls back with the warning."""
+    torch.manual_seed(0)
+    model, x = Quantized(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    with pytest.warns(BackendFallbackWarning, match="custom autograd.Function"):
+        loss = torch.compile(model, backend="mxmaca")(x)
+    loss.backward()
+    reference(x).backward()
+    assert reference.lin.weight.grad.abs().max() > 0
+    torch.testing.assert_close(model.lin.weight.grad, reference.lin.weight.grad, rtol=1e-6, atol=0)
