@@ -1,5 +1,6 @@
-"""benchmarks/bench_hf_zoo.py keeps working: the shrinker changes sizes only, and two dense
-types pass eager and the one-device mx.compile cell in this process."""
+"""benchmarks/bench_hf_zoo.py keeps working: the shrinker changes sizes only, the eager check
+passes a dense type and an encoder-decoder is skipped (the sample's cells under mxgraph:
+tests/test_hf_zoo_sample.py)."""
 import importlib.util
 import pathlib
 import sys
@@ -35,12 +36,11 @@ def test_shrink_keeps_one_layer_of_each_kind():
     assert small.num_hidden_layers == 2
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_eager_and_one_device_cells_pass(model_type):
-    eager = cells.eager_cell(model_type)
-    assert eager["status"] == "pass", eager
-    result = cells.run_cell(model_type, cells.PLANS["one"], timeout=120)
-    assert result["status"] == "pass", result
+def test_eager_cell_passes_and_an_encoder_decoder_is_skipped():
+    """The one-device cells of the sample run in tests/test_hf_zoo_sample.py."""
+    assert cells.eager_cell("llama")["status"] == "pass"
+    assert cells.skip_reason("llama") is None
+    assert "encoder-decoder" in cells.skip_reason("bart")
 
 
 def test_sample_is_in_the_mapping():
