@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind, TensorArgument
 
 from mxgraph.errors import TraceError
+from mxgraph.functions import functions_as_ops
 from mxgraph.hops import inline_regions
 
 
@@ -75,7 +76,7 @@ def set_parameter(model: torch.nn.Module, name: str, param: torch.nn.Parameter) 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> ForwardGraph:
     """Trace the model's forward for these inputs (shapes are specialised)."""
-    with _module_tracker(model) as stack:
+    with _module_tracker(model) as stack, functions_as_ops():
         try:
             ep = torch.export.export(model, args, kwargs, strict=False)
         except Exception as error:  # noqa: BLE001 - re-raised with the module and line
@@ -187,6 +188,8 @@ def _describe_failure(model, stack: list[str], error: Exception) -> str:
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if "/torch/" not in f.filename and "/mxgraph/" not in f.filename]
     line = f" at {frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
+    if isinstance(error, TraceError):  # mxgraph's own refusal: it says what to change
+        return f"module {where}{line}: {error}"
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return (f"cannot trace module {where}{line}: {type(error).__name__}: {first}. "
             "mxgraph traces with torch.export (non-strict): avoid Python branches on tensor "
