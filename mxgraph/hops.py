@@ -12,7 +12,9 @@ submodule, with the mode made explicit in the dataflow:
   gradient reaches its inputs through it. Inlined, the region's nodes run under the
   graph's own (enabled) mode and every edge from a grad-disabled node to a grad-enabled
   one (or to the graph's output) is cut with `aten.detach` (floating values only: other
-  dtypes carry no gradient). Any path into a grad-disabled node crosses such an edge before
+  dtypes carry no gradient), unless the node hands on its grad-enabled input as the same
+  tensor (`x.to(x.dtype)`): the tracer then records later reads of `x` as reads of that
+  node, and those read `x` again. Any path into a grad-disabled node crosses such an edge before
   it reaches a differentiated value, so the gradients are those of eager, and the forward
   values are bitwise equal (the same ops on the same inputs, detach being an alias). The
   forward `remove_noop` keeps these detaches; the joint one drops them after autograd.
@@ -173,6 +175,13 @@ def _cut_no_grad_edges(gm: GraphModule) -> None:
         readers = [u for u in node.users if u.op == "output" or u.meta.get(_GRAD, True)]
         if not readers:
             continue
+        source = node
+        while not source.meta.get(_GRAD, True) and _returns_input(source) is not None:
+            source = _returns_input(source)
+        if source.meta.get(_GRAD, True):  # eager hands the grad-enabled tensor itself on
+            for user in readers:
+                user.replace_input_with(node, source)
+            continue
         with graph.inserting_after(node):
             detach = graph.call_function(aten.detach.default, (node,))
         detach.meta.update({k: v for k, v in node.meta.items() if k in (
@@ -181,6 +190,28 @@ def _cut_no_grad_edges(gm: GraphModule) -> None:
             detach.meta["val"] = val.detach()
         for user in readers:
             user.replace_input_with(node, detach)
+
+
+def _returns_input(node: Node) -> Node | None:
+    """The input a node hands on as the very same tensor in eager (`x.to(x.dtype)`, a
+    contiguous `x.contiguous()`), or None. A later read of `x` then traces as a read of the
+    node, even outside the grad-disabled region the node ran in."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], Node):
+        return None
+    source, val = node.args[0], node.meta.get("val")
+    before = source.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not isinstance(before, torch.Tensor):
+        return None
+    if node.target in _TO_SELF and not node.kwargs.get("copy") and \
+            node.kwargs.get("memory_format") in (None, torch.preserve_format) and \
+            (val.dtype, val.device) == (before.dtype, before.device):
+        return source
+    if node.target is aten.contiguous.default and before.is_contiguous():
+        return source
+    return None
+
+
+_TO_SELF = (aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other)
 
 
 class _Recorder(TorchDispatchMode):

@@ -251,3 +251,36 @@ def test_backend_keeps_a_custom_autograd_function_backward():
     reference(x).backward()
     assert reference.lin.weight.grad.abs().max() > 0
     torch.testing.assert_close(model.lin.weight.grad, reference.lin.weight.grad, rtol=1e-6, atol=0)
+
+
+class SameDtypeCast(nn.Module):
+    """A no_grad region casts `h` to its own dtype (dots3_note's indexer: `.to` hands back
+    the same tensor); the tracer then records the later, grad-enabled read of `h` as a read
+    of that cast."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.score, self.gate = nn.Linear(8, 8), nn.Linear(8, 1), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        with torch.no_grad():
+            keep = self.score(h.to(h.dtype)) > 0
+        return (self.gate(h) * keep).pow(2).sum()
+
+
+def test_a_cast_to_the_same_dtype_in_a_no_grad_region_keeps_gradients():
+    torch.manual_seed(0)
+    model, x = SameDtypeCast(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    step = mx.compile(model, mx.Plan(), example=(x,))
+    loss = step(x)
+    ref_loss = reference(x)
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss.detach())
+    assert reference.lin.weight.grad.abs().max() > 0
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+        else:
+            assert rel_err(p.grad, q.grad) <= 1e-6, name

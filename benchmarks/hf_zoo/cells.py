@@ -203,9 +203,58 @@ def _on_alarm(signum, frame):
     raise CellTimeout
 
 
+def draws_random(model: nn.Module) -> bool:
+    """Whether the model's training forward draws random numbers (PhiMoE's Gumbel routing)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        seen = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.seen |= torch.Tag.nondeterministic_seeded in func.tags
+            return func(*args, **(kwargs or {}))
+
+    tokens, targets = batches(BATCH, 1)[0]
+    with torch.no_grad(), Count():
+        model(tokens, targets)
+    return Count.seen
+
+
 def _compare(model_type: str, case: PlanCase, rank: int, world: int) -> dict:
-    """Run the steps and measure the largest errors against eager (module docstring)."""
-    model = build(model_type)
+    """Run the steps and measure the largest errors against eager (module docstring).
+
+    A model that draws random numbers in training, under a plan that splits the batch
+    (ranks or micro-batches draw in another order than one eager batch): the training steps
+    must run and stay finite, and the comparison is made in eval mode."""
+    plan = mx.Plan(**case.plan)
+    if (world > 1 or plan.micro_batches > 1) and draws_random(build(model_type)):
+        losses = _train(model_type, case, rank, world)
+        if not all(math.isfinite(x) for x in losses):
+            return {"status": "wrong", "detail": f"training losses {losses}"}
+        result = _compare_in(model_type, case, rank, world, train=False)
+        note = "draws random numbers in training: 3 finite training steps, compared in eval mode"
+        return {**result, "detail": "; ".join(filter(None, [result["detail"], note]))}
+    return _compare_in(model_type, case, rank, world, train=True)
+
+
+def _train(model_type: str, case: PlanCase, rank: int, world: int) -> list[float]:
+    """The plan's training losses of STEPS steps (this rank's)."""
+    model, plan = build(model_type), mx.Plan(**case.plan)
+    dp = plan.resolve_dp(world)
+    dp_rank = (rank // (plan.tp * plan.cp)) % dp  # the mesh's order: pp, dp, cp, tp
+    mine = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
+    data = batches(BATCH * dp)
+    step = mx.compile(model, plan, example=(data[0][0][mine], data[0][1][mine]))
+    opt = torch.optim.SGD(step.parameters(), lr=LR)
+    losses = []
+    for tokens, targets in data:
+        losses.append(step(tokens[mine], targets[mine]).item())
+        opt.step(); opt.zero_grad()
+    return losses
+
+
+def _compare_in(model_type: str, case: PlanCase, rank: int, world: int, train: bool) -> dict:
+    model = build(model_type).train(train)
     reference = copy.deepcopy(model)
     plan = mx.Plan(**case.plan)
     dp = plan.resolve_dp(world)
