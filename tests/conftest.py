@@ -22,9 +22,9 @@ LONGEST_FIRST = (
     "test_spmd.py",
 )
 """The files that take longest (2 to 4.5 minutes each in a full run on 2 cores, measured
-2026-12-03), longest first. `--dist loadfile` hands files to the xdist workers in
+2026-12-03), longest first. `--dist loadfile` hands files to the two xdist workers in
 collection order: with these at the end (alphabetically, the test_train* files are), one
-worker ran them for minutes while the others stood idle."""
+worker ran them for minutes while the other stood idle."""
 
 
 def pytest_collection_modifyitems(items):
