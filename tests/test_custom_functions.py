@@ -1,5 +1,5 @@
 """A user's custom `torch.autograd.Function` keeps its own backward under `mx.compile`
-(mxgraph/functions.py): one device, tp=2 and pp=2 against eager autograd, which runs the
+(mxgraph/functions.py): one device and tp=2 against eager autograd, which runs the
 Function's backward; clear refusals for what the capture cannot keep."""
 import pytest
 import torch
@@ -98,10 +98,6 @@ def test_one_device_matches_eager():
 
 def test_tp2_matches_eager():
     run_ranks(2, check_plan, QuantLM, dict(tp=2), 2, 4, 8)
-
-
-def test_pp2_1f1b_matches_eager():
-    run_ranks(2, check_plan, QuantLM, dict(pp=2, schedule="1f1b", micro_batches=2), 2, 4, 8)
 
 
 class Noisy(torch.autograd.Function):
