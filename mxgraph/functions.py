@@ -146,6 +146,7 @@ def _(key: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _setup(ctx, inputs, output) -> None:
     key, tensors = inputs
     ctx.key = key
+    ctx.outputs = [(t.shape, t.dtype, t.device) for t in output]
     ctx.save_for_backward(*tensors)
 
 
@@ -155,11 +156,16 @@ def _backward(ctx, grads):
     inner = _Ctx(call.needs_grad)
     with torch.no_grad():
         _forward(call, inner, _arguments(call, tensors))
+    if inner.materialize_grads:  # as autograd does for a Function: zeros for unused outputs
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip(grads, ctx.outputs, strict=True)]
     result = call.function.backward(inner, *grads)
     result = result if isinstance(result, tuple) else (result,)
     out = []
     for position, tensor in zip(call.tensor_at, tensors, strict=True):
         grad = result[position] if position < len(result) else None
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            grad = None  # an index or mask input: autograd ignores what backward returns
         if grad is not None and grad.shape != tensor.shape:
             raise TraceError(f"custom autograd.Function {call.where}: backward returned a "
                              f"gradient of shape {tuple(grad.shape)} for an input of shape "

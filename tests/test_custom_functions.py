@@ -1,11 +1,14 @@
 """A user's custom `torch.autograd.Function` keeps its own backward under `mx.compile`
 (mxgraph/functions.py): one device and tp=2 against eager autograd, which runs the
 Function's backward; clear refusals for what the capture cannot keep."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import mxgraph as mx
 from mxgraph.capture import capture
 from mxgraph.errors import TraceError
 from tests.distributed import run_ranks
@@ -147,3 +150,38 @@ def test_what_cannot_be_kept_is_refused_naming_the_function(function, match):
 
     with pytest.raises(TraceError, match=match):
         capture(Model(), (torch.randn(4, 8),), {})
+
+
+class TwoHalves(torch.autograd.Function):
+    """Two outputs; its backward adds both gradients, so an unread output's gradient must
+    come as zeros (autograd materialises them for a Function), never None."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0, x * 3.0
+
+    @staticmethod
+    def backward(ctx, grad_a, grad_b):
+        return grad_a * 2.0 + grad_b * 3.0
+
+
+def test_an_unread_output_gets_a_zero_gradient():
+    lin = nn.Linear(8, 8)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            first, _ = TwoHalves.apply(self.lin(x))
+            return first.pow(2).sum()
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    loss = mx.compile(model, mx.Plan(), example=(x,))(x)
+    ref_loss = reference(x)
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss.detach())
+    torch.testing.assert_close(model.lin.weight.grad, reference.lin.weight.grad, rtol=1e-6, atol=0)
