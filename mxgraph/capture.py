@@ -142,6 +142,7 @@ def _check_user_inputs(signature, leaves) -> None:
 
 
 _INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+_LIFTED = re.compile(r"fake tensor in the exported program constant.*?model attribute: ([\w.]*?)\.?lifted_tensor_\d+", re.S)
 
 
 def annotate_modules(gm: torch.fx.GraphModule) -> None:
@@ -183,6 +184,14 @@ def _module_tracker(model: torch.nn.Module):
             handle.remove()
 
 
+def _has_submodule(model: torch.nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def _describe_failure(model, stack: list[str], error: Exception) -> str:
     where = stack[-1] if stack else f"<root> ({type(model).__name__})"
     frames = [f for f in traceback.extract_tb(error.__traceback__)
@@ -190,6 +199,15 @@ def _describe_failure(model, stack: list[str], error: Exception) -> str:
     line = f" at {frames[-1].filename}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
     if isinstance(error, TraceError):  # mxgraph's own refusal: it says what to change
         return f"module {where}{line}: {error}"
+    lifted = _LIFTED.search(str(error))
+    if lifted:  # torch.export's check after tracing: no module stack is left to name
+        path = lifted.group(1)
+        owner = model.get_submodule(path) if _has_submodule(model, path) else model
+        return (f"cannot trace module {path or '<root>'} ({type(owner).__name__}): a tensor "
+                f"its forward creates (torch.export's `{lifted.group(0).rsplit(' ', 1)[-1]}`) "
+                "became a constant holding a traced value; torch.export cannot follow how it "
+                "was made. Create that tensor once in __init__ (a buffer), or from the inputs "
+                "with torch ops")
     first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return (f"cannot trace module {where}{line}: {type(error).__name__}: {first}. "
             "mxgraph traces with torch.export (non-strict): avoid Python branches on tensor "
