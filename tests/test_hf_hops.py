@@ -284,3 +284,18 @@ def test_a_cast_to_the_same_dtype_in_a_no_grad_region_keeps_gradients():
             assert p.grad is None or not p.grad.any(), name
         else:
             assert rel_err(p.grad, q.grad) <= 1e-6, name
+
+
+def test_a_traced_constant_names_the_module_that_made_it():
+    """torch.export's check after tracing (a constant holding a traced value; gemma3n_text
+    from its defaults) has no module stack left: the message names the module from the
+    constant's attribute path."""
+    from mxgraph.capture import _describe_failure
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.ReLU()))
+    error = RuntimeError("We found a fake tensor in the exported program constant's list. ... "
+                         "you can refer to following model attribute: 1.0.lifted_tensor_3. "
+                         "Please file an issue on github.")
+    message = _describe_failure(model, [], error)
+    assert message.startswith("cannot trace module 1.0 (ReLU): a tensor its forward creates "
+                              "(torch.export's `1.0.lifted_tensor_3`)"), message
+    assert "Create that tensor once in __init__" in message
