@@ -142,7 +142,8 @@ def _check_user_inputs(signature, leaves) -> None:
 
 
 _INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
-_LIFTED = re.compile(r"fake tensor in the exported program constant.*?model attribute: ([\w.]*?)\.?lifted_tensor_\d+", re.S)
+_LIFTED = re.compile(r"fake tensor in the exported program constant.*?model attribute: "
+                     r"([\w.]*?)\.?lifted_tensor_\d+", re.S)
 
 
 def annotate_modules(gm: torch.fx.GraphModule) -> None:
