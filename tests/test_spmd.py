@@ -164,6 +164,30 @@ def test_nanogpt_style_model(plan):
     run_ranks(2, check_plan, NanoGPT, plan, 3, 8, 16)
 
 
+class PaddedTiedLM(torch.nn.Module):
+    """A tied embedding and LM head whose padding row (no gradient, as OPT's) is token 235:
+    in tp rank 1's half of the vocabulary, and among the first batch's tokens."""
+
+    def __init__(self, padding_idx: int = 235):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 32, padding_idx=padding_idx)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        self.head = torch.nn.Linear(32, 256, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens)
+        logits = self.head(x + self.mlp(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("plan", [dict(tp=2), dict(tp=2, sequence_parallel=True)], ids=["tp2", "tp2-sp"])
+def test_vocab_parallel_embedding_with_a_padding_row(plan):
+    """The padding row lives on one rank: that rank's lookup skips its gradient, the other's
+    has none (the lookup was left whole and read a split table before)."""
+    run_ranks(2, check_plan, PaddedTiedLM, plan)
+
+
 def test_hf_style_llama_tp2_sequence_parallel_fused():
     """Llama written the Hugging Face way (tests/foreign_llama.py: heads transposed before RoPE,
     GQA repeat in [B, H, S, D], weight-first RMSNorm) under tp2 + SP with every fusion on."""

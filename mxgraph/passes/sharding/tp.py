@@ -119,7 +119,15 @@ def _reads_as_matrix(user: Node, param: Node, dim: int) -> bool:
         if user.target is aten.addmm.default and user.args[0] is param:  # the bias
             return param.meta["val"].dim() == 1 and dim == 0
         return user.args[-1] is param and param.meta["val"].dim() == 2
-    return user.target is aten.embedding.default and user.args[0] is param and dim == 0
+    return user.target is aten.embedding.default and user.args[0] is param and dim == 0 \
+        and _vocab_lookup(user)
+
+
+def _vocab_lookup(node: Node) -> bool:
+    """An embedding that vocabulary parallelism can split: the step's token ids looked up
+    with at most a padding row (no gradient scaled by frequency, no sparse gradient)."""
+    extra = list(node.args[3:]) + [v for k, v in node.kwargs.items() if k != "padding_idx"]
+    return all(a is False for a in extra) and _reads_input(node.args[1])
 
 
 @TP.register(aten.linear.default, always=True)
@@ -164,16 +172,18 @@ def vocab_embedding_rule(s: TensorSharder, node: Node):
     """The step's token ids looked up in a vocabulary-split table: this rank's rows, zeros
     elsewhere (P)."""
     weight, indices = node.args[:2]
-    extra = tuple(node.args[2:]) + tuple(node.kwargs.values())
-    if s.of(indices) != R or any(a not in (-1, False) for a in extra) or \
-            not _reads_input(indices) or not s.choose(weight, Shard(0), node):
+    if s.of(indices) != R or not _vocab_lookup(node) or not s.choose(weight, Shard(0), node):
         return COMMON.table[aten.embedding.default](s, node) if s.of(indices) != R else R
     rows = s.full(weight)[0] // s.axis.size
     local = s.insert(node, aten.sub.Tensor, (indices, s.axis.rank * rows))
     low = s.insert(node, aten.ge.Scalar, (local, 0))
     high = s.insert(node, aten.lt.Scalar, (local, rows))
     valid = s.insert(node, aten.logical_and.default, (low, high))
-    node.args = (weight, s.insert(node, aten.mul.Tensor, (local, valid)))
+    padding = schema_arg(node, "padding_idx", -1)  # -1: none (F.embedding made it >= 0)
+    padding -= s.axis.rank * rows if padding >= 0 else 0  # the row without gradient, if here
+    node.args = (weight, s.insert(node, aten.mul.Tensor, (local, valid)),
+                 padding if 0 <= padding < rows else -1)
+    node.kwargs = {}
     mask = s.insert(node.next, aten.unsqueeze.default, (valid, -1))
     masked = s.insert(mask.next, aten.mul.Tensor, (node, mask), placement=P)
     node.replace_all_uses_with(masked, delete_user_cb=lambda u: u is not masked)
