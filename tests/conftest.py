@@ -1,4 +1,5 @@
 """Shared test settings: hypothesis is derandomized under CI and kept small everywhere;
+one torch thread per xdist worker where the workers fill the cores;
 Triton kernels on CPU tensors run in Triton's interpreter, which must be switched on
 before anything imports triton (test_kernels_compile.py runs its compile checks in a
 subprocess without it)."""
@@ -12,4 +13,11 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1):
+    # as many xdist workers as cores: one thread each (and for the processes a test starts),
+    # as the ranks have; OpenMP threads spinning on a core another worker holds run many
+    # times slower
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))

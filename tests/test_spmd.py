@@ -188,6 +188,35 @@ def test_vocab_parallel_embedding_with_a_padding_row(plan):
     run_ranks(2, check_plan, PaddedTiedLM, plan)
 
 
+class ScanLM(torch.nn.Module):
+    """A recurrence over the sequence written into slices of a buffer, as RWKV's CPU path
+    and Mamba-style scans are: `out[:, t] = state` is an in-place write through a select
+    along the dim that CP and SP shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 32)
+        self.inner = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 256)
+
+    def forward(self, tokens, targets):
+        h = self.inner(self.embed(tokens))
+        out = torch.zeros_like(h)
+        state = torch.zeros_like(h[:, 0])
+        for t in range(h.shape[1]):
+            state = 0.5 * state + h[:, t]
+            out[:, t] = state
+        logits = self.head(out + h)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("plan", [dict(cp=2), dict(tp=2, sequence_parallel=True)], ids=["cp2", "tp2-sp"])
+def test_writes_into_slices_of_a_sequence_buffer(plan):
+    """The buffer is kept whole (a gather before each select would take the writes into a
+    copy: the output stayed zeros)."""
+    run_ranks(2, check_plan, ScanLM, plan, 3, 4, 8)
+
+
 def test_hf_style_llama_tp2_sequence_parallel_fused():
     """Llama written the Hugging Face way (tests/foreign_llama.py: heads transposed before RoPE,
     GQA repeat in [B, H, S, D], weight-first RMSNorm) under tp2 + SP with every fusion on."""

@@ -3,8 +3,9 @@ split the graph by it.
 
 Owns: placements (`placement.py`: Replicate, Shard(dim), Partial), the propagation engine
 (`propagate.py`) and its per-op rules (`rules.py`, two-operand einsums in `einsum.py`),
-token-local regions (`token_local.py`: a routed-MoE block on token shards), tensor,
-context and expert parallelism (`tp.py`, `cp.py`, `ep.py`, with the hot-expert frame
+token-local regions (`token_local.py`: a routed-MoE block on token shards), in-place
+writes through views kept in their storage (`writes.py`), tensor, context and expert
+parallelism (`tp.py`, `cp.py`, `ep.py`, with the hot-expert frame
 `ep_hot.py`), and the discovery of routed-MoE blocks by dataflow (`moe_blocks.py`, over
 the op sets of `moe_dataflow.py`).
 

@@ -35,6 +35,7 @@ from mxgraph.passes.sharding.placement import R, Shard
 from mxgraph.passes.sharding.propagate import AxisOps, Rules, Sharder, placed, repropagate
 from mxgraph.passes.sharding.rules import COMMON
 from mxgraph.passes.sharding.token_local import add_local_rules, valid_regions
+from mxgraph.passes.sharding.writes import kept_whole
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
@@ -139,13 +140,20 @@ def shard_cp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """
     if ctx.mesh is None or ctx.mesh.sizes["cp"] == 1:
         return gm
+    def lost_writes(copy: GraphModule, whole: set[str]) -> set[str]:
+        s = Sharder(copy, cp_axis(ctx), CP, whole=whole)
+        s.run(_cut_inputs(s))
+        return set(s.lost_writes)
+    whole = kept_whole(gm, lost_writes)
+
     def trial(copy: GraphModule, region: set[Node]) -> list:
-        s = Sharder(copy, cp_axis(ctx), CP, local_region=region)
+        s = Sharder(copy, cp_axis(ctx), CP, local_region=region, whole=whole)
         s.run(_cut_inputs(s))
         return s.fallbacks
     sharder = Sharder(gm, cp_axis(ctx), CP, strict=ctx.plan.strict_sharding,
-                      local_region=valid_regions(gm, trial))
+                      local_region=valid_regions(gm, trial), whole=whole)
     sharder.run(_cut_inputs(sharder))
+    sharder.check_writes()
     ctx.findings += [f.describe() for f in sharder.fallbacks]
     output = gm.graph.find_nodes(op="output")[0]
     for value in output.all_input_nodes:

@@ -29,6 +29,11 @@ An op without a rule gathers its inputs: it is listed (`fallbacks`, the dump's
 `no_rule_gathers` field) and with `Plan(strict_sharding=True)` raises PlanError naming the
 op and where it is. `meta["val"]` holds full (unsharded) shapes while rules run; the
 caller re-propagates local shapes at the end (`repropagate`).
+
+In-place writes (`writes.py`): a redistribution on the path of a write (the views between it
+and its base) is a lost write, listed in `lost_writes`; the passes keep those bases whole
+(`whole`, found by `writes.kept_whole` on copies) and `check_writes` refuses any left. A
+value aliased by a write is redistributed anew for each reader, right before it.
 """
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from mxgraph.errors import PlanError
 from mxgraph.ir import COMPUTE, insert_call, op_name
 from mxgraph.passes.sharding.placement import P, Partial, R, Replicate, Shard
+from mxgraph.passes.sharding.writes import Writes
 
 Rule = Callable[["Sharder", Node], object]
 
@@ -131,6 +137,11 @@ class Sharder:
     """Nodes of token-local MoE regions (`sharding/token_local.py`): run on this rank's tokens."""
     keep_replicated: set = field(default_factory=set)
     """Parameters a rule must leave replicated (set between runs by the caller)."""
+    whole: set[str] = field(default_factory=set)
+    """Names of in-place-written bases kept whole, with every alias of them (`writes.py`)."""
+    lost_writes: dict[str, Node] = field(default_factory=dict)
+    """Base name -> an op on a write's path whose input was redistributed (`writes.py`)."""
+    writes: Writes = field(default_factory=Writes)
     fallbacks: list[Fallback] = field(default_factory=list)
     sharded_reductions: list[Fallback] = field(default_factory=list)
     """Sums over a sharded dim (partial results): correct, but a sign for TP that the
@@ -184,6 +195,11 @@ class Sharder:
             return value
         split = self.is_split(user) if split_user is None else split_user
         key = (value, placement, split)
+        base = self.writes.family(value)
+        if base is not None:  # written in place: a copy for this reader only, made here
+            key += (user,)
+            if user in self.writes.path and user.args[0] is value:
+                self.lost_writes.setdefault(base.name, user)
         if key not in self._done:
             self._done[key] = self._redistribute(user, value, have, placement, split)
         new = self._done[key]
@@ -274,6 +290,7 @@ class Sharder:
 
     # ---- the walk ---------------------------------------------------------------------
     def run(self, seeds: dict[Node, object] | None = None) -> None:
+        self.writes = Writes.of(self.graph)
         self.place.update(seeds or {})
         node = next(iter(self.graph.nodes))
         while node.op not in ("output", "root"):  # nodes a rule inserts after it: next
@@ -287,6 +304,9 @@ class Sharder:
                 self.need(output, value, R, split_user=False)
 
     def visit(self, node: Node) -> object:
+        base = self.writes.family(node)
+        if base is not None and base.name in self.whole:
+            return self._keep_whole(node, base)
         rule = self.rules.get(node)
         if node.target not in self.rules.always and all(self.of(a) == R
                                                          for a in node.all_input_nodes):
@@ -297,6 +317,28 @@ class Sharder:
         if rule is None:
             return self.gather_all(node, "no sharding rule: gathered")
         return rule(self, node)
+
+    def _keep_whole(self, node: Node, base: Node) -> object:
+        """A written base, an alias of it, or a write into it: replicated, its operands
+        gathered (a lost write's fix, `writes.py`)."""
+        if node is base:
+            return self.gather_all(node, "written in place through a view that needs it whole")
+        for arg in node.all_input_nodes:
+            if self.of(arg) != R:
+                self.need(node, arg, R, split_user=False)
+        return R
+
+    def check_writes(self) -> None:
+        """PlanError where a write into a redistributed copy would be lost (none is left once
+        `writes.kept_whole` chose the bases to keep whole, but for a written input)."""
+        for base, user in self.lost_writes.items():
+            module = (user.meta.get("custom") or {}).get("module") or "<top>"
+            raise PlanError(
+                f"{self.axis.name}={self.axis.size}: {base} is written in place through "
+                f"{op_name(user)} at {module}, and {self.axis.name} would have to gather or "
+                f"slice it there: the write would land in a copy. Write that value out of "
+                f"place (torch.cat or torch.stack of the pieces instead of assigning into "
+                f"slices), or set {self.axis.name}=1")
 
     def copy_replicated_inputs(self, node: Node) -> None:
         """Replicated float inputs of a split computation get `AxisOps.copy` (see module

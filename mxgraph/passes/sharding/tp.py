@@ -42,6 +42,7 @@ from mxgraph.passes.sharding.placement import P, R, Shard
 from mxgraph.passes.sharding.propagate import AxisOps, Rules, Sharder, placed, repropagate
 from mxgraph.passes.sharding.rules import COMMON, SPLITS, addmm_rule, linear_rule, row_cross_entropy_rule, split_rule
 from mxgraph.passes.sharding.token_local import add_local_rules, local_regions, valid_regions
+from mxgraph.passes.sharding.writes import kept_whole
 from mxgraph.plan import divisors
 
 aten = torch.ops.aten
@@ -267,24 +268,24 @@ def tp_axis(ctx: CompileContext) -> AxisOps:
 
 
 def _sharder(gm: GraphModule, ctx: CompileContext, keep: set[str],
-             region: set[Node] | None = None) -> TensorSharder:
+             region: set[Node] | None = None, whole: set[str] = frozenset()) -> TensorSharder:
     """A sharder for `gm`; under SP with the token-local `region` (default: every MoE
-    block's, as the blame trials use)."""
+    block's, as the blame trials use); `whole`: written bases kept whole (`writes.py`)."""
     sharder = TensorSharder(gm, tp_axis(ctx), TP, strict=ctx.plan.strict_sharding,
-                            keep_replicated=set(keep))
+                            keep_replicated=set(keep), whole=set(whole))
     if ctx.plan.sequence_parallel:
         sharder.sequence_shard = _sequence_shard(sharder, gm)
         sharder.local_region = set().union(*local_regions(gm)) if region is None else region
     return sharder
 
 
-def _blamed(gm: GraphModule, ctx: CompileContext, keep: set[str]) -> set[str]:
+def _blamed(gm: GraphModule, ctx: CompileContext, keep: set[str], whole: set[str]) -> set[str]:
     """Column-parallel weights whose shard reaches a gather, or a reduction over the split
     features (a norm of a down-projection), in a trial run on a copy: Megatron's layout
     keeps such projections whole."""
     graph = Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    trial = _sharder(GraphModule(gm, graph), ctx, keep)
+    trial = _sharder(GraphModule(gm, graph), ctx, keep, whole=whole)
     trial.strict = False
     trial.run()
     events = trial.fallbacks + trial.sharded_reductions
@@ -341,22 +342,29 @@ def shard_tp_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """
     if ctx.mesh is None or ctx.mesh.sizes["tp"] == 1:
         return gm
+    def lost_writes(copy: GraphModule, whole: set[str]) -> set[str]:
+        s = _sharder(copy, ctx, set(), whole=whole)
+        s.strict = False
+        s.run()
+        return set(s.lost_writes)
+    whole = kept_whole(gm, lost_writes)
     keep: set[str] = set()
     layers = {(n.meta.get("custom") or {}).get("layer") for n in gm.graph.nodes}
     for _ in range(2 * len(layers) + 2):  # a round fixes the first layer a cause sits in
-        blamed = _blamed(gm, ctx, keep)
+        blamed = _blamed(gm, ctx, keep, whole)
         if not blamed:
             break
         keep |= blamed
 
     def trial(copy: GraphModule, region: set[Node]) -> list:
-        s = _sharder(copy, ctx, keep, region)
+        s = _sharder(copy, ctx, keep, region, whole)
         s.strict = False
         s.run()
         return s.fallbacks
     region = valid_regions(gm, trial) if ctx.plan.sequence_parallel else set()
-    sharder = _sharder(gm, ctx, keep, region)
+    sharder = _sharder(gm, ctx, keep, region, whole)
     sharder.run()
+    sharder.check_writes()
     ctx.findings += [f.describe() for f in sharder.fallbacks]
     local = {}
     for node, placement in sharder.params.items():
