@@ -239,11 +239,7 @@ def _compare(model_type: str, case: PlanCase, rank: int, world: int) -> dict:
 
 def _train(model_type: str, case: PlanCase, rank: int, world: int) -> list[float]:
     """The plan's training losses of STEPS steps (this rank's)."""
-    model, plan = build(model_type), mx.Plan(**case.plan)
-    dp = plan.resolve_dp(world)
-    dp_rank = (rank // (plan.tp * plan.cp)) % dp  # the mesh's order: pp, dp, cp, tp
-    mine = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
-    data = batches(BATCH * dp)
+    model, (plan, _, mine, data) = build(model_type), _setup(case, rank, world)
     step = mx.compile(model, plan, example=(data[0][0][mine], data[0][1][mine]))
     opt = torch.optim.SGD(step.parameters(), lr=LR)
     losses = []
@@ -253,14 +249,18 @@ def _train(model_type: str, case: PlanCase, rank: int, world: int) -> list[float
     return losses
 
 
-def _compare_in(model_type: str, case: PlanCase, rank: int, world: int, train: bool) -> dict:
-    model = build(model_type).train(train)
-    reference = copy.deepcopy(model)
+def _setup(case: PlanCase, rank: int, world: int) -> tuple[mx.Plan, int, slice, list]:
+    """The plan, its data-parallel size, this rank's rows of a global batch, the batches."""
     plan = mx.Plan(**case.plan)
     dp = plan.resolve_dp(world)
     dp_rank = (rank // (plan.tp * plan.cp)) % dp  # the mesh's order: pp, dp, cp, tp
-    mine = slice(dp_rank * BATCH, (dp_rank + 1) * BATCH)
-    data = batches(BATCH * dp)
+    return plan, dp, slice(dp_rank * BATCH, (dp_rank + 1) * BATCH), batches(BATCH * dp)
+
+
+def _compare_in(model_type: str, case: PlanCase, rank: int, world: int, train: bool) -> dict:
+    model = build(model_type).train(train)
+    reference = copy.deepcopy(model)
+    plan, dp, mine, data = _setup(case, rank, world)
     if case.backend:
         torch._dynamo.reset()
         step, params = torch.compile(model, backend="mxmaca"), list(model.parameters())
