@@ -20,6 +20,8 @@ from mxgraph.errors import PlanError
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "dualpipev")
 RECOMPUTE_KINDS = ("norm", "act", "attn", "mlp", "moe_light", "moe_medium", "moe_full", "full")
 OFFLOAD_KINDS = ("all", "attn", "mlp", "norm", "act", "moe")
+CODEGENS = ("python", "inductor")
+"""`Plan.codegen` choices."""
 FUSION_KINDS = ("swiglu", "bias_gelu", "bias_dropout_add", "rope", "gqa", "rmsnorm",
                 "linear_cross_entropy", "moe_permute", "moe_router")
 
@@ -160,6 +162,12 @@ class Plan:
     """Backward nodes between the prefetch of an offloaded value and its first use."""
     fusion: bool | str = False
     """Flash Fusion: True = all fused kernels, False = none, or a comma list of names."""
+    codegen: str = "python"
+    """How each program (a stage's F, B and W pieces) runs: "python" (fx's Python code, one
+    ATen call per line) or "inductor" (fused C++ loops on the CPU, Triton kernels on a GPU;
+    tens of seconds of compile per program). A program Inductor refuses, or one that calls
+    back into the executor (overlapped DP buckets, ZeRO-1, timing points, pausing waits),
+    runs as Python with a warning (an error under MXGRAPH_STRICT=1): codegen/inductor.py."""
     overlap: bool | OverlapOptions | None = None
     """Communication-compute overlap: None/False = off, True = `OverlapOptions()`, or an
     `OverlapOptions` (a dict, or an [overlap] table in TOML)."""
@@ -210,6 +218,7 @@ class Plan:
             raise PlanError(f"offload_prefetch={self.offload_prefetch!r} must be an integer >= 0")
         for kind in self.fusion_kinds():
             _check_choice("fusion", kind, FUSION_KINDS)
+        _check_choice("codegen", self.codegen, CODEGENS)
         if self.overlap is not None:
             _check_overlap(self)
         if not isinstance(self.bucket_mb, (int, float)) or not self.bucket_mb > 0:

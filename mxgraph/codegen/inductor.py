@@ -1,0 +1,80 @@
+"""Inductor codegen (`Plan(codegen="inductor")`): a program's graph lowered to fused kernels.
+
+A program's graph (a stage's F, B or W piece of its joint graph, already functional) is
+traced once more with Inductor's decomposition table (`make_fx` on the fake values its
+placeholders carry), so that every op is one Inductor lowers, and compiled by
+`compile_fx_inner`: C++/OpenMP loops on the CPU, Triton kernels on `cuda`. mxgraph's custom
+ops (fused kernels, collectives) stay calls to their own implementations. Program inputs
+and outputs that are tuples (a multi-output op's value handed from F to B) are flattened
+for Inductor and rebuilt around it.
+
+Not lowered yet, run as Python codegen instead (`python.py`), with a warning naming the
+program (an error under `MXGRAPH_STRICT=1`): a program whose graph calls back into the
+executor (data-parallel buckets announced during the backward, ZeRO-1 parameters awaited at
+first use, level-1 timing points) or pauses before collective waits (DualPipeV's F&B
+interleave), one with an input that is no tensor, and one Inductor refuses.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from mxgraph.errors import TraceError
+from mxgraph.runtime.pipeline.programs import Program
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+class NotLowered(Exception):
+    """Why a program stays Python codegen."""
+
+
+def lower(program: Program) -> tuple[object, str]:
+    """(the compiled function, Inductor's output code) for `program`; NotLowered when it
+    cannot be lowered (the reason in its message)."""
+    if program.announce or program.needs or program.points:
+        raise NotLowered("it calls back into the executor (buckets, ZeRO-1 or timing points)")
+    gm = program.gm
+    if any(n.target is _WAIT for n in gm.graph.nodes):
+        raise NotLowered("it waits for collectives it started (the executor pauses there)")
+    examples = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    leaves, in_spec = tree_flatten(examples)
+    if not all(isinstance(v, torch.Tensor) for v in leaves):
+        raise NotLowered("an input is no tensor")
+    out_spec = []
+
+    def flat(*args):
+        outputs, spec = tree_flatten(tuple(gm(*tree_unflatten(list(args), in_spec))))
+        out_spec.append(spec)
+        return tuple(outputs)
+
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+    try:
+        with torch.no_grad():
+            traced = make_fx(flat, decomposition_table=select_decomp_table())(*leaves)
+            compiled = compile_fx_inner(traced, leaves)
+    except Exception as error:  # noqa: BLE001 - reported by the caller, which falls back
+        raise NotLowered(f"Inductor refused it: {type(error).__name__}: "
+                         f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
+    spec = out_spec[-1]
+
+    def run(*args):
+        flat_inputs, _ = tree_flatten(list(args))
+        return tree_unflatten(list(compiled(flat_inputs)), spec)
+    return run, getattr(compiled, "source_code", "") or ""
+
+
+def fall_back(title: str, reason: NotLowered) -> None:
+    """Warn (or raise under MXGRAPH_STRICT=1) that `title` runs as Python codegen."""
+    message = f"codegen='inductor': {title} runs as Python codegen: {reason}"
+    if os.environ.get("MXGRAPH_STRICT") == "1":
+        raise TraceError(message + "; unset MXGRAPH_STRICT to fall back with a warning")
+    warnings.warn(message + "; set MXGRAPH_STRICT=1 to make this an error", stacklevel=3)
+
+
+__all__ = ["NotLowered", "fall_back", "lower"]
