@@ -1,4 +1,5 @@
-"""Eager vs torch.compile (inductor) vs mxgraph.compile on the CPU, side by side.
+"""Eager vs torch.compile (inductor, and the mxmaca backend) vs mxgraph.compile (Python or
+Inductor codegen, fusion off or on) on the CPU, side by side.
 
 For each model: compile time (first step minus a warm step), median step time
 (forward + backward, fill .grad), and peak resident memory of the timed steps above the
@@ -6,7 +7,8 @@ resident memory before them (Linux VmHWM after resetting it). Each (model, runne
 runs in its own subprocess so memory and caches do not leak between them.
 
     python benchmarks/bench_compile.py [--models llama-tiny,llama-20m] [--steps 10]
-        [--batch-size 8] [--seq-len 256] [--out bench_results/compile.json]
+        [--runners eager,inductor,mxmaca,mxgraph,mxgraph-inductor] [--batch-size 8]
+        [--seq-len 256] [--out bench_results/compile.json]
 """
 from __future__ import annotations
 
@@ -19,7 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-RUNNERS = ("eager", "inductor", "mxgraph")
+RUNNERS = {
+    "eager": "the model's own forward + backward",
+    "inductor": "torch.compile(model)",
+    "mxmaca": 'torch.compile(model, backend="mxmaca")',
+    "mxgraph": "mxgraph.compile(model) (Python codegen)",
+    "mxgraph-fusion": "mxgraph.compile(model, Plan(fusion=True))",
+    "mxgraph-inductor": 'mxgraph.compile(model, Plan(codegen="inductor"))',
+}
+DEFAULT_RUNNERS = ("eager", "inductor", "mxmaca", "mxgraph", "mxgraph-inductor")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -45,13 +55,15 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
     if runner == "eager":
         def step():
             model(x, y).backward()
-    elif runner == "inductor":
-        compiled = torch.compile(model)
+    elif runner in ("inductor", "mxmaca"):
+        compiled = torch.compile(model, **({"backend": "mxmaca"} if runner == "mxmaca" else {}))
 
         def step():
             compiled(x, y).backward()
     else:
-        compiled = mxgraph.compile(model)
+        plan = {"mxgraph": {}, "mxgraph-fusion": {"fusion": True},
+                "mxgraph-inductor": {"codegen": "inductor"}}[runner]
+        compiled = mxgraph.compile(model, mxgraph.Plan(**plan))
 
         def step():
             compiled(x, y)
@@ -82,7 +94,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="llama-tiny,llama-20m")
-    parser.add_argument("--runners", default=",".join(RUNNERS))
+    parser.add_argument("--runners", default=",".join(DEFAULT_RUNNERS),
+                        help="comma-separated, of " + "; ".join(f"{k}: {v}" for k, v in RUNNERS.items()))
     parser.add_argument("--steps", type=int, default=10, help="timed steps per runner")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -93,6 +106,9 @@ def main(argv=None) -> int:
         row = measure(*args.one, args.steps, args.batch_size, args.seq_len)
         print("ROW " + json.dumps(row))
         return 0
+    unknown = [r for r in args.runners.split(",") if r not in RUNNERS]
+    if unknown:
+        parser.error(f"unknown runner {unknown[0]!r}; choose from {', '.join(RUNNERS)}")
     rows = []
     for model_name in args.models.split(","):
         for runner in args.runners.split(","):
@@ -116,16 +132,20 @@ def main(argv=None) -> int:
 
 
 def print_table(rows) -> None:
-    eager = {r["model"]: r for r in rows if r["runner"] == "eager" and "error" not in r}
-    print(f"{'model':<12} {'runner':<9} {'params':>9} {'compile s':>9} {'step ms':>9} "
-          f"{'vs eager':>9} {'peak MiB':>9}")
+    """One row per (model, runner); speed-ups over eager and over torch.compile (inductor)."""
+    ok = [r for r in rows if "error" not in r]
+    eager = {r["model"]: r for r in ok if r["runner"] == "eager"}
+    inductor = {r["model"]: r for r in ok if r["runner"] == "inductor"}
+    print(f"{'model':<12} {'runner':<17} {'params':>9} {'compile s':>9} {'step ms':>9} "
+          f"{'vs eager':>9} {'vs inductor':>11} {'peak MiB':>9}")
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:<12} {r['runner']:<9} failed")
+            print(f"{r['model']:<12} {r['runner']:<17} failed")
             continue
-        ratio = eager[r["model"]]["step_ms"] / r["step_ms"] if r["model"] in eager else 0
-        print(f"{r['model']:<12} {r['runner']:<9} {r['params'] / 1e6:>8.2f}M "
-              f"{r['compile_s']:>9.2f} {r['step_ms']:>9.1f} {ratio:>8.2f}x "
+        ratios = [f"{base[r['model']]['step_ms'] / r['step_ms']:.2f}x" if r["model"] in base
+                  else "-" for base in (eager, inductor)]
+        print(f"{r['model']:<12} {r['runner']:<17} {r['params'] / 1e6:>8.2f}M "
+              f"{r['compile_s']:>9.2f} {r['step_ms']:>9.1f} {ratios[0]:>9} {ratios[1]:>11} "
               f"{r['peak_mib']:>9.1f}")
 
 

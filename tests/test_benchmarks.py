@@ -98,6 +98,8 @@ def test_compile(load, tmp_path):
                                                          ("llama-tiny", "mxgraph")]
     assert all(r["step_ms"] > 0 and r["compile_s"] >= 0 for r in rows)
     assert rows[0]["params"] == rows[1]["params"] > 0
+    with pytest.raises(SystemExit):  # an unknown runner is named, not skipped
+        load("bench_compile").main(["--runners", "eager,torch"])
 
 
 def test_kernels_llama_fusion(load, tmp_path):
