@@ -14,8 +14,8 @@ as it is exported (`FORWARD_DECOMPOSITIONS`: `aten.copy`, from an in-place `copy
 slice, as deepseek_v3's key assembly does).
 
 A region AOTAutograd cannot export as a plain function (it mutates a buffer or an input,
-say, or calls a custom `autograd.Function`, whose backward only the region as Dynamo gave it
-keeps) runs without the forward passes: a warning names the region and the exception, the
+say, calls a custom `autograd.Function`, whose backward only the region as Dynamo gave it
+keeps, or its export takes other inputs than the region) runs without the forward passes: a warning names the region and the exception, the
 dump summary counts it (`fallback` record), and `MXGRAPH_STRICT=1` raises instead.
 """
 from __future__ import annotations
@@ -117,9 +117,15 @@ def _functional_forward(gm, example_inputs, ctx: CompileContext):
     else:
         mutated = sorted(signature.buffers_to_mutate.values()) + sorted(
             signature.user_inputs_to_mutate.values())
-        if not mutated:
+        inputs = [n.name for n in forward.graph.find_nodes(op="placeholder")]
+        if mutated:
+            reason = f"it mutates {mutated} in place"
+        elif len(inputs) != len(example_inputs):
+            # torch 2.13's export adds an input to some regions (a `tangents_1` to AXK2's)
+            reason = (f"its exported forward takes {len(inputs)} inputs for the region's "
+                      f"{len(example_inputs)} (the last: {inputs[-1]})")
+        else:
             return forward
-        reason = f"it mutates {mutated} in place"
     message = (f"mxmaca: region {ctx.dump_dir.name if ctx.dump_dir else hex(id(gm))} runs "
                f"without mxgraph's forward passes (no sharding, no fusion): {reason}")
     if os.environ.get("MXGRAPH_STRICT") == "1":
