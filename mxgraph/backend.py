@@ -15,7 +15,9 @@ slice, as deepseek_v3's key assembly does).
 
 A region AOTAutograd cannot export as a plain function (it mutates a buffer or an input,
 say, calls a custom `autograd.Function`, whose backward only the region as Dynamo gave it
-keeps, or its export takes other inputs than the region) runs without the forward passes: a warning names the region and the exception, the
+keeps, or its export takes other inputs than the region), or whose passed forward
+AOTAutograd then fails to differentiate (an attention mask that needs a gradient, exported
+as the CPU flash kernel that has none), runs without the forward passes: a warning names the region and the exception, the
 dump summary counts it (`fallback` record), and `MXGRAPH_STRICT=1` raises instead.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from mxgraph.context import CompileContext
 from mxgraph.driver import check_plan, run_graph_passes
 from mxgraph.errors import TraceError
+from mxgraph.passes.cleanup import safe_views_pass
 from mxgraph.passes.runner import record_graphs
 from mxgraph.plan import Plan
 
@@ -45,6 +48,14 @@ def _partition(joint_module, joint_inputs, *, ctx, **kwargs):
     record_graphs(ctx, "grad", "step", [("joint", joint_module)], 0.0)
     joint_module = run_graph_passes("joint", joint_module, ctx)
     return min_cut_rematerialization_partition(joint_module, joint_inputs, **kwargs)
+
+
+def _partition_whole(joint_module, joint_inputs, **kwargs):
+    """The partition of a region run without the passes: its views made layout-safe first
+    (`safe_views_pass`: a backward `view` that the fake strides allowed and the kernels'
+    real layout does not, as DOGE's `softplus_backward`; plain AOTAutograd fails there)."""
+    return min_cut_rematerialization_partition(safe_views_pass(joint_module, None), joint_inputs,
+                                               **kwargs)
 
 
 def _boxed(gm, example_inputs):
@@ -61,11 +72,17 @@ def mxmaca_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     if forward is not None:
         record_graphs(ctx, "capture", "step", [("forward", forward)], 0.0)
         forward = run_graph_passes("forward", forward, ctx)
-    region = forward if forward is not None else gm
     compiler = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed,
                             partition_fn=functools.partial(_partition, ctx=ctx),
                             keep_inference_input_mutations=True)
-    return compiler(region, example_inputs)
+    if forward is None:
+        return compiler(gm, example_inputs)
+    try:
+        return compiler(forward, example_inputs)
+    except Exception as error:  # noqa: BLE001 - reported by _fall_back, never swallowed silently
+        _fall_back(ctx, gm, f"differentiating its passed forward failed: {_first_line(error)}")
+    return aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=_partition_whole,
+                        keep_inference_input_mutations=True)(gm, example_inputs)
 
 
 def _differentiable_copy(self, src, non_blocking=False):
@@ -113,7 +130,7 @@ def _functional_forward(gm, example_inputs, ctx: CompileContext):
         forward, signature = aot_export_module(gm, list(example_inputs), trace_joint=False,
                                                decompositions=FORWARD_DECOMPOSITIONS)
     except Exception as error:  # noqa: BLE001 - reported below, never swallowed silently
-        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        reason = _first_line(error)
     else:
         mutated = sorted(signature.buffers_to_mutate.values()) + sorted(
             signature.user_inputs_to_mutate.values())
@@ -126,14 +143,25 @@ def _functional_forward(gm, example_inputs, ctx: CompileContext):
                       f"{len(example_inputs)} (the last: {inputs[-1]})")
         else:
             return forward
+    _fall_back(ctx, gm, reason)
+    return None
+
+
+def _fall_back(ctx: CompileContext, gm, reason: str) -> None:
+    """Warn (or raise under MXGRAPH_STRICT=1) that region `gm` runs without the passes, and
+    record it in the dump summary."""
     message = (f"mxmaca: region {ctx.dump_dir.name if ctx.dump_dir else hex(id(gm))} runs "
                f"without mxgraph's forward passes (no sharding, no fusion): {reason}")
     if os.environ.get("MXGRAPH_STRICT") == "1":
         raise TraceError(message + "; unset MXGRAPH_STRICT to fall back with a warning")
     warnings.warn(message + "; set MXGRAPH_STRICT=1 to make this an error",
-                  BackendFallbackWarning, stacklevel=2)
+                  BackendFallbackWarning, stacklevel=3)
     record_graphs(ctx, "fallback", "step", [("region", gm)], 0.0, reason=reason.replace(" ", "_"))
-    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _call_site(node) -> str:

@@ -17,7 +17,8 @@ within GRAD_TOL of the reference's norm, floored at 1e-3 of the largest norm: th
 part of each reference tensor cut by `step.layouts`), the suite's own measures and
 tolerances (tests/test_pipeline_exec.py).
 
-Outcomes: pass; refused (mxgraph's PlanError or another UserError: the plan or model is not
+A `mxmaca` cell records the backend's fallback warnings (`fallbacks`: regions run without
+mxgraph's passes, loudly). Outcomes: pass; refused (mxgraph's PlanError or another UserError: the plan or model is not
 supported, with the message); crash (any other exception: its type, first message line,
 innermost mxgraph frame); wrong (runs, differs: the largest errors); timeout (the cell's
 time limit, a SIGALRM in the process that runs it).
@@ -30,6 +31,7 @@ import math
 import signal
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -182,21 +184,27 @@ def _future_dependence(model: CausalLMLoss, tokens: torch.Tensor) -> float:
 
 def run_cell(model_type: str, case: PlanCase, rank: int = 0, world: int = 1, timeout: float = 300) -> dict:
     """One plan's cell on this rank (world ranks of a process group when world > 1)."""
+    from mxgraph.backend import BackendFallbackWarning
     start = time.perf_counter()
     previous = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        result = _compare(model_type, case, rank, world)
-    except CellTimeout:
-        result = {"status": "timeout", "detail": f"over {timeout:.0f} s"}
-    except UserError as error:
-        result = {"status": "refused", **_describe(error)}
-    except Exception as error:  # noqa: BLE001 - recorded
-        result = {"status": "crash", **_describe(error)}
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    return {**result, "seconds": round(time.perf_counter() - start, 1)}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", BackendFallbackWarning)
+        try:
+            result = _compare(model_type, case, rank, world)
+        except CellTimeout:
+            result = {"status": "timeout", "detail": f"over {timeout:.0f} s"}
+        except UserError as error:
+            result = {"status": "refused", **_describe(error)}
+        except Exception as error:  # noqa: BLE001 - recorded
+            result = {"status": "crash", **_describe(error)}
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    fallbacks = sorted({str(w.message).split(": ", 1)[-1] for w in seen
+                        if issubclass(w.category, BackendFallbackWarning)})
+    return {**result, **({"fallbacks": fallbacks} if fallbacks else {}),
+            "seconds": round(time.perf_counter() - start, 1)}
 
 
 def _on_alarm(signum, frame):

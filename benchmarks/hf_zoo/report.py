@@ -97,7 +97,11 @@ def failures(cells: dict, plans: list[str], models: list[str]) -> str:
             if eager.get("status") == "pass" and result and result["status"] != "pass":
                 label = f"{model}/{plan}" + (f" ({result['detail']})" if result["status"] == "wrong" else "")
                 groups[(result["status"], _cause(result))].append(label)
-    order = ("crash", "wrong", "timeout", "refused", "eager fails", "skipped")
+            if result and result["status"] == "pass" and result.get("fallbacks"):
+                groups[("pass without mxgraph's passes (the backend's loud fallback)",
+                        f"`{result['fallbacks'][0][:160]}`")].append(f"{model}/{plan}")
+    order = ("crash", "wrong", "timeout", "refused",
+             "pass without mxgraph's passes (the backend's loud fallback)", "eager fails", "skipped")
     lines = []
     for status in order:
         found = sorted(((cause, where) for (s, cause), where in groups.items() if s == status),
