@@ -71,7 +71,12 @@ def mxmaca_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
     forward = _functional_forward(gm, example_inputs, ctx)
     if forward is not None:
         record_graphs(ctx, "capture", "step", [("forward", forward)], 0.0)
-        forward = run_graph_passes("forward", forward, ctx)
+        # AOTAutograd traces the passed forward again from its fake strides, and a view the
+        # export recorded can meet another layout there (GPT-Neo's matmul of a transposed
+        # key: a [2, 4, 16, 16] expand with strides (1024, 16, 1, 64) viewed as [8, 16, 16]);
+        # views that merge dims reshape, as in the evaluation pipeline
+        forward = safe_views_pass(run_graph_passes("forward", forward, ctx), ctx)
+        forward.recompile()
     compiler = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed,
                             partition_fn=functools.partial(_partition, ctx=ctx),
                             keep_inference_input_mutations=True)

@@ -86,3 +86,12 @@ def test_mxmaca_regions_the_passes_cannot_take_run_whole_and_say_so():
     assert doge["status"] == "pass", doge
     assert any("differentiating its passed forward failed" in f and "attn_mask" in f
                for f in doge["fallbacks"]), doge
+
+
+def test_mxmaca_keeps_the_passes_where_a_view_meets_another_layout():
+    """GPT-Neo's matmul of a transposed key: AOTAutograd traces the passed forward again, and
+    the export's `view` of the key's expand met a transposed layout there (a crash, then a
+    fallback); the backend's forward now reshapes where a view merges dims, so the region
+    keeps mxgraph's passes (no fallback) and matches eager."""
+    result = cells.run_cell("gpt_neo", cells.PLANS["mxmaca"], timeout=TIMEOUT)
+    assert result["status"] == "pass" and "fallbacks" not in result, result

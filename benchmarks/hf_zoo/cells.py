@@ -201,7 +201,7 @@ def run_cell(model_type: str, case: PlanCase, rank: int = 0, world: int = 1, tim
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
-    fallbacks = sorted({str(w.message).split(": ", 1)[-1] for w in seen
+    fallbacks = sorted({str(w.message).split("(no sharding, no fusion): ", 1)[-1] for w in seen
                         if issubclass(w.category, BackendFallbackWarning)})
     return {**result, **({"fallbacks": fallbacks} if fallbacks else {}),
             "seconds": round(time.perf_counter() - start, 1)}
