@@ -212,20 +212,32 @@ def _on_alarm(signum, frame):
 
 
 def draws_random(model: nn.Module) -> bool:
-    """Whether the model's training forward draws random numbers (PhiMoE's Gumbel routing)."""
+    """Whether the model's training forward draws random numbers (PhiMoE's Gumbel routing,
+    a LayerDrop that is on): a random op, not counting one whose dropout probability is 0 (the CPU
+    flash attention and dropout are random ops by tag, and draw nothing at p = 0)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         seen = False
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.seen |= torch.Tag.nondeterministic_seeded in func.tags
+            Count.seen |= torch.Tag.nondeterministic_seeded in func.tags and \
+                not _dropout_off(func, args, kwargs or {})
             return func(*args, **(kwargs or {}))
 
     tokens, targets = batches(BATCH, 1)[0]
     with torch.no_grad(), Count():
         model(tokens, targets)
     return Count.seen
+
+
+def _dropout_off(func, args, kwargs) -> bool:
+    """Whether `func`'s dropout probability (`p`, `dropout_p`) is 0."""
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.name in ("p", "dropout_p"):
+            value = args[i] if i < len(args) else kwargs.get(argument.name, argument.default_value)
+            return value == 0
+    return False
 
 
 def _compare(model_type: str, case: PlanCase, rank: int, world: int) -> dict:
