@@ -17,8 +17,9 @@ A region AOTAutograd cannot export as a plain function (it mutates a buffer or a
 say, calls a custom `autograd.Function`, whose backward only the region as Dynamo gave it
 keeps, or its export takes other inputs than the region), or whose passed forward
 AOTAutograd then fails to differentiate (an attention mask that needs a gradient, exported
-as the CPU flash kernel that has none), runs without the forward passes: a warning names the region and the exception, the
-dump summary counts it (`fallback` record), and `MXGRAPH_STRICT=1` raises instead.
+as the CPU flash kernel that has none), runs without the forward passes: a warning names
+the region and the exception, the dump summary counts it (`fallback` record), and
+`MXGRAPH_STRICT=1` raises instead.
 """
 from __future__ import annotations
 
