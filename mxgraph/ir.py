@@ -216,6 +216,14 @@ def descendants(starts, keep: Callable[[Node], bool] | None = None) -> set[Node]
     return closure(starts, lambda n: [u for u in n.users if keep is None or keep(u)])
 
 
+def copy_module(gm: GraphModule, copies: dict[Node, Node] | None = None) -> GraphModule:
+    """A GraphModule over a copy of `gm`'s graph (same node names; `copies`, when given, is
+    filled with original -> copy), for a trial run of a pass that rewrites in place."""
+    graph = Graph()
+    graph.output(graph.graph_copy(gm.graph, {} if copies is None else copies))
+    return GraphModule(gm, graph)
+
+
 # ---- writing nodes --------------------------------------------------------------------
 class _Compute:
     def __repr__(self) -> str:

@@ -18,8 +18,8 @@ part of each reference tensor cut by `step.layouts`), the suite's own measures a
 tolerances (tests/test_pipeline_exec.py).
 
 A `mxmaca` cell records the backend's fallback warnings (`fallbacks`: regions run without
-mxgraph's passes, loudly). Outcomes: pass; refused (mxgraph's PlanError or another UserError: the plan or model is not
-supported, with the message); crash (any other exception: its type, first message line,
+mxgraph's passes, loudly). Outcomes: pass; refused (mxgraph's PlanError or another
+UserError: the plan or model is not supported, with the message); crash (any other exception: its type, first message line,
 innermost mxgraph frame); wrong (runs, differs: the largest errors); timeout (the cell's
 time limit, a SIGALRM in the process that runs it).
 """

@@ -128,7 +128,7 @@ def generate(stages: dict[int, StagePrograms], plan, dump_dir=None) -> str:
             title = f"stage {stage}, {kind} ({_PIECES[kind]})"
             generate_program(program, title)
             parts.append(program.source)
-            if getattr(plan, "codegen", "python") == "inductor" and program.inputs:
+            if plan.codegen == "inductor" and program.inputs:
                 code = _lowered(program, title)
                 if code and dump_dir is not None:
                     (dump_dir / f"inductor_stage{stage}_{kind}.py").write_text(code)

@@ -46,7 +46,7 @@ from mxgraph.comm_graph import graph_entries
 from mxgraph.context import CompileContext
 from mxgraph.cost import node_cost, tensor_meta
 from mxgraph.driver import compile_step, fake_model, paper_mesh, run
-from mxgraph.ir import ATTENTION_OPS, MATMUL_OPS, packet
+from mxgraph.ir import ATTENTION_OPS, MATMUL_OPS, copy_module, packet
 from mxgraph.memory_plan import SavedByKind, recompute_math_attention, saved_by_layer
 from mxgraph.memory_saved import node_bytes, size_hints
 from mxgraph.passes.pipeline import PIPELINE
@@ -246,9 +246,7 @@ def _steps(first: str, last: str):
 
 def _copy_joint(joint):
     """The joint graph with a copy of its fx graph (node meta shared: passes replace it)."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(joint.gm.graph, {}))
-    return dataclasses.replace(joint, gm=torch.fx.GraphModule(joint.gm, graph))
+    return dataclasses.replace(joint, gm=copy_module(joint.gm))
 
 
 def trace(library, config, key: TraceKey, seq_len: int) -> tuple[LayerCosts, Traced]:

@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule, Node
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from mxgraph.ir import ancestors, descendants, op_name, packet, schema_arg
+from mxgraph.ir import ancestors, copy_module, descendants, op_name, packet, schema_arg
 from mxgraph.passes.sharding.moe_blocks import find_expert_blocks
 from mxgraph.passes.sharding.moe_dataflow import GROUPED_GEMMS
 from mxgraph.passes.sharding.placement import P, Partial, R, Shard
@@ -63,10 +63,10 @@ def valid_regions(gm: GraphModule, trial: Callable[[GraphModule, set[Node]], lis
     for _ in range(len(blocks) + 1):
         if not blocks:
             return set()
-        graph, copies = Graph(), {}
-        graph.output(graph.graph_copy(gm.graph, copies))
-        originals = {copy: node for node, copy in copies.items()}
-        fallbacks = trial(GraphModule(gm, graph), {copies[n] for block in blocks for n in block})
+        copies = {}
+        copy = copy_module(gm, copies)
+        originals = {c: node for node, c in copies.items()}
+        fallbacks = trial(copy, {copies[n] for block in blocks for n in block})
         gathered = {originals.get(n) for f in fallbacks for n in (f.node, *f.inputs)}
         kept = [block for block in blocks if not block & gathered]
         if len(kept) == len(blocks):

@@ -29,14 +29,14 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule, Node
 
 import mxgraph.runtime.collectives.cp  # noqa: F401 - registers the CP ops
 import mxgraph.runtime.collectives.tp  # noqa: F401 - registers the collective ops
 import mxgraph.runtime.collectives.vocab_parallel  # noqa: F401 - registers vocab_parallel_ce
 from mxgraph.context import CompileContext
 from mxgraph.errors import PlanError
-from mxgraph.ir import COPY_LIKE_OPS, VIEW_OPS, descendants, schema_arg
+from mxgraph.ir import COPY_LIKE_OPS, VIEW_OPS, copy_module, descendants, schema_arg
 from mxgraph.passes.sharding.einsum import einsum_rule
 from mxgraph.passes.sharding.placement import P, R, Shard
 from mxgraph.passes.sharding.propagate import AxisOps, Rules, Sharder, placed, repropagate
@@ -283,9 +283,7 @@ def _blamed(gm: GraphModule, ctx: CompileContext, keep: set[str], whole: set[str
     """Column-parallel weights whose shard reaches a gather, or a reduction over the split
     features (a norm of a down-projection), in a trial run on a copy: Megatron's layout
     keeps such projections whole."""
-    graph = Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    trial = _sharder(GraphModule(gm, graph), ctx, keep, whole=whole)
+    trial = _sharder(copy_module(gm), ctx, keep, whole=whole)
     trial.strict = False
     trial.run()
     events = trial.fallbacks + trial.sharded_reductions

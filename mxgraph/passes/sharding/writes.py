@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from mxgraph.ir import copy_module
+
 
 def writes_in_place(node: Node) -> bool:
     """Whether `node` is an op that writes its first operand (`copy_`, `add_`, ...)."""
@@ -93,9 +95,7 @@ def kept_whole(gm: GraphModule, trial, rounds: int = 8) -> set[str]:
         return set()
     whole: set[str] = set()
     for _ in range(rounds):
-        graph = Graph()
-        graph.output(graph.graph_copy(gm.graph, {}))
-        lost = trial(GraphModule(gm, graph), whole) - whole
+        lost = trial(copy_module(gm), whole) - whole
         if not lost:
             break
         whole |= lost
