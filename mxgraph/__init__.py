@@ -7,5 +7,7 @@
 from mxgraph.compile import Step, compile  # noqa: A004
 from mxgraph.errors import PlanError, TraceError
 from mxgraph.plan import MoEOptions, OverlapOptions, Plan
+from mxgraph.runtime.health import Guard, NonFiniteError
 
-__all__ = ["MoEOptions", "OverlapOptions", "Plan", "PlanError", "Step", "TraceError", "compile"]
+__all__ = ["Guard", "MoEOptions", "NonFiniteError", "OverlapOptions", "Plan", "PlanError", "Step",
+           "TraceError", "compile"]

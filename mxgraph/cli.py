@@ -118,7 +118,7 @@ def check_train_inputs(args) -> None:
     if args.data:
         check_source(args.data)
     if args.save_every or args.resume:
-        from mxgraph.train import check_checkpoint_dir
+        from mxgraph.train_state import check_checkpoint_dir
         check_checkpoint_dir(args.checkpoint_dir)
     if args.monitor_level not in (0, 1, 2):
         raise UserError(f"--monitor-level {args.monitor_level} is not a level; use 0 (step "
@@ -127,6 +127,8 @@ def check_train_inputs(args) -> None:
         raise UserError(f"--monitor-every {args.monitor_every} must be 1 or more (steps)")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts {args.max_restarts} must be 0 or more")
+    from mxgraph.train import nonfinite_guard
+    nonfinite_guard(args)  # a UserError for a bad policy or limit
     if args.max_restarts and not args.save_every:
         print("mxgraph: warning: --max-restarts without --save-every N: a restart starts "
               "again at step 0", file=sys.stderr)
@@ -161,12 +163,24 @@ def check_model(args) -> None:
 def _train(args) -> int:
     check_train_inputs(args)
     if args.nproc > 1 or args.max_restarts > 0 or args.rdzv_endpoint:
-        return subprocess.call(torchrun_command(args, sys.argv[1:]))
+        return _launch(args)
+    from mxgraph.runtime.cluster.launch import close_process_group
+    from mxgraph.runtime.health import NonFiniteError
     from mxgraph.train import log_to_console, train
     log_to_console()
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    result = train(cfg, progress=not args.no_progress)
+    try:
+        result = train(cfg, progress=not args.no_progress)
+    except NonFiniteError as error:
+        stop_file = os.environ.get(STOP_FILE)
+        if not stop_file:
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(stop_file, "w") as f:
+                f.write(str(error))
+        close_process_group()
+        return 0  # a policy's stop: the launcher reports it (torchrun would restart a failure)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"train loss {result['train_loss']:.4f} | validation loss "
               f"{result['val_loss']:.4f} nats/token | {result['tokens_per_s']:,.0f} tokens/s | "
@@ -174,9 +188,29 @@ def _train(args) -> int:
         if args.profile:
             print(f"profiler traces (one per rank): {args.profile}/rank*.json; read them with "
                   f"mxgraph inspect --overlap {args.profile}")
-    from mxgraph.runtime.cluster.launch import close_process_group
     close_process_group()  # under torchrun: every rank ends its groups before exiting
     return 0
+
+
+STOP_FILE = "MXGRAPH_STOP_FILE"
+"""Set by the launcher for its workers: where rank 0 writes why the non-finite policy
+stopped the run; the workers then exit 0, so that torchrun does not restart them."""
+
+
+def _launch(args) -> int:
+    """Run the training workers under torchrun; a stop by --on-nonfinite is one error line
+    and status 2, as on one process."""
+    import tempfile
+
+    from mxgraph.runtime.health import NonFiniteError
+    with tempfile.TemporaryDirectory(prefix="mxgraph-launch-") as folder:
+        stop_file = os.path.join(folder, "stopped")
+        status = subprocess.call(torchrun_command(args, sys.argv[1:]),
+                                 env={**os.environ, STOP_FILE: stop_file})
+        if os.path.exists(stop_file):
+            with open(stop_file) as f:
+                raise NonFiniteError(f.read())
+    return status
 
 
 def _inspect(args) -> int:

@@ -26,7 +26,8 @@ from mxgraph.runtime.cluster.mesh import Mesh
 from mxgraph.runtime.data_parallel.buckets import DataParallel, bucket_layout
 from mxgraph.runtime.data_parallel.copy_engine import TransferLane
 from mxgraph.runtime.data_parallel.overlap import BucketOverlap
-from mxgraph.runtime.grad_norm import clip_grad_norm_
+from mxgraph.runtime.grad_norm import clip_grad_norm_, named_gradient_pieces
+from mxgraph.runtime.health import Guard, Verdict, locate
 from mxgraph.runtime.monitor.slow_node import StepMonitor, timed
 from mxgraph.runtime.param_layout import ParamLayout
 from mxgraph.runtime.pipeline.executor import PipelineExecutor, split_microbatches
@@ -67,6 +68,12 @@ class TrainingStep(Protocol):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient over all ranks; returns it."""
+
+    guard: Guard
+    """The non-finite policy `check_health` applies (runtime/health.py)."""
+
+    def check_health(self, loss: torch.Tensor, grad_norm: torch.Tensor, step: int) -> Verdict:
+        """After `clip_grad_norm_`: whether to apply optimizer step `step` (see `Step`)."""
 
     def sync_parameters(self) -> None:
         """zero1: copy the updated shards back into the model's parameters."""
@@ -111,6 +118,11 @@ class Step:
         (`Plan.overlap.dp_buckets`; runtime/data_parallel/overlap.py)."""
         self.monitor: StepMonitor | None = None
         """The slow-node monitor the step times its sections into (`set_monitor`)."""
+        self.guard = Guard()
+        """What `check_health` does at a non-finite loss or gradient: `Guard("stop")`
+        (raise), `Guard("skip", max_skips=N)`, `Guard("rollback")`; runtime/health.py."""
+        self.local_loss: torch.Tensor | None = None
+        """This rank's loss of the last step before the data-parallel average."""
 
     def set_monitor(self, monitor: StepMonitor | None) -> None:
         """Time every later call's sections into `monitor` (`runtime/monitor/slow_node.py`; None:
@@ -208,6 +220,19 @@ class Step:
         must call it (runtime/grad_norm.py)."""
         return clip_grad_norm_(self, max_norm)
 
+    def check_health(self, loss: torch.Tensor, grad_norm: torch.Tensor, step: int) -> Verdict:
+        """After `clip_grad_norm_`, before the optimizer: the verdict of `self.guard` on this
+        step's loss and gradient norm (both the same on every rank, so every rank decides
+        alike), with one host sync and no collective while they are finite. Apply the
+        update only when `verdict.action == "update"`; raises `NonFiniteError` under the
+        "stop" policy. When not finite, one collective names the ranks and the first
+        non-finite parameter. Every rank must call it. `step`: the optimizer step about
+        to be taken (0-based, for the messages)."""
+        def where() -> str:
+            return locate([(name, grad) for name, grad, _ in named_gradient_pieces(self)],
+                          self.local_loss)
+        return self.guard.check(step, loss, grad_norm, where)
+
     def moe_stats(self) -> dict[str, dict]:
         return moe_stats.last()
 
@@ -231,6 +256,7 @@ class Step:
             executor.grad_ready = executor.param_needed = None
             if overlap is not None:
                 overlap.gather_finish()
+        self.local_loss = loss.detach()
         return self._reduce_data_parallel(loss, overlap)
 
     def _bucket_overlap(self, executor: PipelineExecutor) -> BucketOverlap | None:

@@ -29,6 +29,7 @@ class AdaptiveMoEStep:
         fast, slow = variant_plans(plan)
         self.variants = {"fast": Step(model, fast, self.mesh),
                          "recompute": Step(model, slow, self.mesh)}
+        self.guard = self.variants["fast"].guard  # one policy for both (the setter)
         self.decisions: list[dict] = []
         self.last = self.variants["fast"]
         """The variant the last step ran (its gradients are the ones to clip)."""
@@ -63,6 +64,20 @@ class AdaptiveMoEStep:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return self.last.clip_grad_norm_(max_norm)
+
+    @property
+    def guard(self):
+        return self.variants["fast"].guard
+
+    @guard.setter
+    def guard(self, guard) -> None:
+        """One policy (and one history of events) for both variants."""
+        for step in self.variants.values():
+            step.guard = guard
+
+    def check_health(self, loss: torch.Tensor, grad_norm: torch.Tensor, step: int):
+        """`Step.check_health` of the variant the last step ran."""
+        return self.last.check_health(loss, grad_norm, step)
 
     def sync_parameters(self) -> None:
         for step in self.variants.values():

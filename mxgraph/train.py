@@ -2,7 +2,6 @@
 given data."""
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -21,12 +20,13 @@ from mxgraph.data import Batches, load_tokens, split
 from mxgraph.errors import DataError, UserError
 from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
 from mxgraph.plan import Plan
-from mxgraph.runtime.checkpoint.disk import saved_world_size
 from mxgraph.runtime.checkpoint.flash import FlashCheckpointer
-from mxgraph.runtime.checkpoint.state import apply_training_state, capture_training_state
 from mxgraph.runtime.cluster.device import detect
 from mxgraph.runtime.cluster.launch import init_from_environment
+from mxgraph.runtime.grad_norm import named_gradient_pieces
+from mxgraph.runtime.health import Drill, Guard, NonFiniteError, Verdict, locate
 from mxgraph.runtime.monitor.slow_node import MonitorConfig, StepMonitor
+from mxgraph.train_state import RunCheckpoints, check_checkpoint_dir, run_id_for
 
 log = logging.getLogger("mxgraph.train")
 
@@ -45,7 +45,7 @@ class TrainConfig:
     plan: str | None = None
     """Plan TOML file; default = one device, no rewrites."""
     steps: int = 600
-    """Optimizer steps."""
+    """Optimizer steps applied (a step --on-nonfinite skips or rolls back is not counted)."""
     batch_size: int = 16
     """Sequences per step (per data-parallel rank)."""
     seq_len: int = 128
@@ -73,7 +73,21 @@ class TrainConfig:
     resume: bool = False
     """Resume from the newest intact snapshot: in memory if every rank has it, else disk."""
     keep: int = 2
-    """Committed checkpoints kept on disk."""
+    """Committed checkpoints kept on disk (every one of a healthy state: a step with a
+    non-finite loss, gradient or parameter is never saved)."""
+    on_nonfinite: str = "stop"
+    """What a step whose loss or gradient norm is NaN or Inf does: stop (end the run before
+    its update, exit status 2, the last good checkpoint intact), skip (no update, the data
+    moves on), or rollback (reload the newest snapshot from memory and skip the batches read
+    since; needs --save-every). The log names the step, the ranks and the first non-finite
+    parameter."""
+    max_skips: int = 10
+    """skip and rollback: the run stops after this many such steps in a row."""
+    loss_spike: float = 0.0
+    """A loss above this many times the median of the last --loss-spike-window applied
+    steps' losses is handled as --on-nonfinite says (0 = off)."""
+    loss_spike_window: int = 100
+    """Steps whose median loss --loss-spike compares with."""
     profile: str | None = None
     """Directory for a torch.profiler Chrome trace per rank, DIR/rank{R}.json (CPU activity;
     CUDA too on a GPU). Steps 1-2 are warm-up (the first runs allocate, the second starts
@@ -149,18 +163,13 @@ def build_training_model(cfg: TrainConfig) -> torch.nn.Module:
     return models.build_model(cfg.model, dtype=dtype, **overrides)
 
 
-def _run_id(checkpoint_dir: str) -> str:
-    """torchrun's run id (stable across restarts), MXGRAPH_RUN_ID, or one derived from
-    the checkpoint directory, so that a re-run of the same command finds its snapshots."""
-    for key in ("MXGRAPH_RUN_ID", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(key, "none") != "none":
-            return os.environ[key]
-    return "ckpt-" + hashlib.sha1(os.path.abspath(checkpoint_dir).encode()).hexdigest()[:12]
-
-
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
-    """Train and return {"train_loss", "val_loss", "tokens_per_s", "seconds", "start_step"}."""
+    """Train; returns {"train_loss" (the last applied step's), "val_loss", "tokens_per_s",
+    "seconds", "start_step", "skipped" and "rollbacks" (steps the non-finite policy did
+    not apply), "parameters" (name -> this rank's tensor after the run: its shards, its
+    stages)}. Raises NonFiniteError when the policy stops the run."""
     started = time.perf_counter()
+    guard = nonfinite_guard(cfg)
     if cfg.save_every or cfg.resume:
         check_checkpoint_dir(cfg.checkpoint_dir)
     rank = _init_distributed()
@@ -180,79 +189,171 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     monitor = slow_node_monitor(cfg, step_fn, rank)
     if not cfg.eager:  # compile first: with pp, this rank's parameters are known after
         step_fn.prepare(*batches.peek())
+        step_fn.guard = guard
     if not cfg.eager and plan.pp > 1:
         release_other_stages(model, step_fn)
     params = list(model.parameters() if cfg.eager else step_fn.parameters())
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(0.9, 0.95))
     named = dict(model.named_parameters() if cfg.eager else step_fn.named_parameters())
-    checkpointer, start_step = None, 0
+    checkpoints, start_step = None, 0
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if cfg.save_every or cfg.resume or restart:
-        checkpointer = FlashCheckpointer.from_env(cfg.checkpoint_dir, keep=cfg.keep,
-                                                  run_id=_run_id(cfg.checkpoint_dir))
+        checkpoints = RunCheckpoints(
+            FlashCheckpointer.from_env(cfg.checkpoint_dir, keep=cfg.keep,
+                                       run_id=run_id_for(cfg.checkpoint_dir)),
+            plan, named, optimizer, batches)
     if cfg.resume or restart:  # a restarted worker resumes by itself
         try:
-            start_step = _resume(checkpointer, plan, named, optimizer, batches, restart, started)
+            start_step = checkpoints.resume(restart, started)
         except UserError:  # a checkpoint of another model or plan: nothing to keep for
-            checkpointer.close()
+            checkpoints.checkpointer.close()
             raise
-    start = time.perf_counter()
-    bar = tqdm(range(start_step, cfg.steps), disable=not progress or rank != 0,
-               unit="step", dynamic_ncols=True)
-    loss_value = float("nan")
-    profiler = step_profiler(cfg, rank, num_steps=cfg.steps - start_step)
-    for step in bar:
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
-        with monitor.section("data"):
-            inputs, targets = batches.next()
-        if cfg.eager:
-            with monitor.section("forward_backward"):
-                loss = step_fn(inputs, targets)
-                loss.backward()
-        else:  # the compiled step times its own sections
-            loss = step_fn(inputs, targets)
-        if checkpointer is not None:  # a background save's copy ends before the update
-            with monitor.section("checkpoint"):
-                checkpointer.wait_copied()
-        with monitor.section("optimizer"):
-            if cfg.eager:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            else:  # the norm of the whole model's gradient, over every rank
-                step_fn.clip_grad_norm_(1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        loss_value = loss.item()
-        monitor.step()  # every --monitor-every steps: compare ranks, report slow ones
-        elapsed = time.perf_counter() - start
-        tokens_per_s = (step + 1 - start_step) * cfg.batch_size * cfg.seq_len / elapsed
-        postfix = dict(loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_s:,.0f}")
-        if not cfg.eager and plan.moe.capacity_factor is not None:
-            dropped = step_fn.moe_stats()["dropped"]  # per MoE layer; the bar shows the mean
-            postfix["dropped"] = f"{sum(dropped.values()) / max(1, len(dropped)):.1%}"
-            log.debug("step %d: dropped by capacity %s", step + 1, dropped)
-        bar.set_postfix(postfix)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            with monitor.section("checkpoint"):  # copied behind the next step
-                result = checkpointer.save(step + 1, _capture(
-                    plan, named, optimizer, batches.state_dict(), plan.to_dict()), background=True)
-            log.info("checkpoint at step %d: %s (%.3f s blocking)", step + 1,
-                     result.status, result.blocking_s)
-        if profiler is not None:
-            profiler.step()
-    if profiler is not None:
-        profiler.stop()  # writes the trace if the last recorded step was not the schedule's
-    seconds = time.perf_counter() - start
-    if checkpointer is not None:
-        checkpointer.close()
+    if cfg.save_every and start_step == 0:  # the initial state: what a NaN before the
+        checkpoints.save(0, {}, background=False)  # first save rolls back (or resumes) to
+    loop = _Loop(cfg, step_fn, optimizer, batches, guard, monitor, checkpoints, rank)
+    try:
+        loop.run(start_step, progress)
+    except NonFiniteError as error:
+        where = "no checkpoint is taken without --save-every"
+        if checkpoints is not None:
+            checkpoints.checkpointer.close()
+            where = checkpoints.last_good()
+        raise NonFiniteError(f"{error}; {where}") from None
+    if checkpoints is not None:
+        checkpoints.checkpointer.close()
     if not cfg.eager:
         step_fn.sync_parameters()  # zero1: the last update is still in the shards
     val_loss = evaluate(step_fn, val_tokens, cfg)
-    done = max(1, cfg.steps - start_step)
-    return {"train_loss": loss_value, "val_loss": val_loss, "seconds": seconds,
-            "tokens_per_s": done * cfg.batch_size * cfg.seq_len / seconds,
-            "start_step": start_step}
+    held = model.named_parameters() if cfg.eager else step_fn.model_parameters()
+    return {"train_loss": loop.loss, "val_loss": val_loss, "seconds": loop.seconds,
+            "tokens_per_s": max(1, loop.iterations) * cfg.batch_size * cfg.seq_len / loop.seconds,
+            "start_step": start_step, "skipped": loop.count("skip"),
+            "rollbacks": loop.count("rollback"), "parameters": dict(held)}
+
+
+def nonfinite_guard(cfg: TrainConfig) -> Guard:
+    """The run's non-finite policy (`runtime/health.py`) from `cfg`'s --on-nonfinite,
+    --max-skips and --loss-spike flags; UserError for a bad one."""
+    if cfg.on_nonfinite == "rollback" and not cfg.save_every:
+        raise UserError("--on-nonfinite rollback reloads the newest snapshot: set --save-every "
+                        "N (steps between snapshots)")
+    return Guard(cfg.on_nonfinite, max_skips=cfg.max_skips, spike_factor=cfg.loss_spike,
+                 spike_window=cfg.loss_spike_window)
+
+
+class _Loop:
+    """The steps of `train`: `--steps` optimizer updates, however many batches the
+    non-finite policy skips or rolls back on the way."""
+
+    def __init__(self, cfg: TrainConfig, step_fn, optimizer, batches: Batches, guard: Guard,
+                 monitor: StepMonitor, checkpoints: RunCheckpoints | None, rank: int):
+        self.cfg, self.step_fn, self.optimizer, self.batches = cfg, step_fn, optimizer, batches
+        self.monitor, self.checkpoints, self.rank = monitor, checkpoints, rank
+        self.eager = isinstance(step_fn, torch.nn.Module)
+        self.guard = guard
+        """The policy (a compiled step holds it too: `Step.check_health`)."""
+        self.drill = Drill.from_env()
+        self.loss, self.seconds, self.iterations = float("nan"), 0.0, 0
+
+    def count(self, action: str) -> int:
+        return sum(event.action == action for event in self.guard.events)
+
+    def run(self, start_step: int, progress: bool) -> None:
+        cfg = self.cfg
+        bar = tqdm(total=cfg.steps, initial=start_step, disable=not progress or self.rank != 0,
+                   unit="step", dynamic_ncols=True)
+        profiler = step_profiler(cfg, self.rank, num_steps=cfg.steps - start_step)
+        start, update = time.perf_counter(), start_step
+        with bar:
+            update = self.steps(update, bar, start, profiler)
+        if profiler is not None:
+            profiler.stop()  # writes the trace if the last recorded step was not the schedule's
+        self.seconds = time.perf_counter() - start
+
+    def steps(self, update: int, bar, start: float, profiler) -> int:
+        cfg = self.cfg
+        while update < cfg.steps:
+            verdict = self.one_step(update)
+            self.iterations += 1
+            self.monitor.step()  # every --monitor-every steps: compare ranks, report slow ones
+            if verdict.action == "rollback":
+                update = self.checkpoints.rollback(verdict)
+                bar.n = update
+                bar.refresh()
+            elif verdict.action == "update":
+                update += 1
+                self.loss = verdict.loss
+                bar.update(1)
+                bar.set_postfix(self.postfix(time.perf_counter() - start))
+                if cfg.save_every and update % cfg.save_every == 0:
+                    self.save(update, verdict)
+            if profiler is not None:
+                profiler.step()
+        return update
+
+    def one_step(self, update: int) -> Verdict:
+        """Forward, backward, clipping and the verdict on optimizer step `update`; the
+        update itself when healthy."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(update, self.cfg)
+        with self.monitor.section("data"):
+            while self.batches.step in self.drill.drop:
+                self.batches.next()
+            batch = self.batches.step
+            inputs, targets = self.batches.next()
+        if self.eager:
+            with self.monitor.section("forward_backward"):
+                loss = self.step_fn(inputs, targets)
+                loss.backward()
+        else:  # the compiled step times its own sections
+            loss = self.step_fn(inputs, targets)
+        self.drill.inject(batch, self.gradients())
+        if self.checkpoints is not None:  # a background save's copy ends before the update
+            with self.monitor.section("checkpoint"):
+                self.checkpoints.checkpointer.wait_copied()
+        with self.monitor.section("optimizer"):
+            if self.eager:  # torch's clip_grad_norm_ in two halves: NaN spares the grads
+                grads = [p.grad for p in self.step_fn.parameters() if p.grad is not None]
+                norm = torch.nn.utils.get_total_norm(grads)
+                verdict = self.guard.check(update, loss, norm,
+                                           lambda: locate(self.gradients(), None))
+                if verdict.action == "update":
+                    torch.nn.utils.clip_grads_with_norm_(self.step_fn.parameters(), 1.0, norm)
+            else:  # the norm of the whole model's gradient, over every rank
+                norm = self.step_fn.clip_grad_norm_(1.0)
+                verdict = self.step_fn.check_health(loss, norm, update)
+            if verdict.action == "update":
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return verdict
+
+    def gradients(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, this rank's gradient or its part), in the model's parameter order."""
+        if self.eager:
+            return [(n, p.grad) for n, p in self.step_fn.named_parameters() if p.grad is not None]
+        return [(name, grad) for name, grad, _ in named_gradient_pieces(self.step_fn)]
+
+    def postfix(self, elapsed: float) -> dict:
+        cfg = self.cfg
+        tokens_per_s = self.iterations * cfg.batch_size * cfg.seq_len / elapsed
+        postfix = dict(loss=f"{self.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}")
+        skipped = len(self.guard.events)
+        if skipped:
+            postfix["not_applied"] = str(skipped)
+        if not self.eager and self.step_fn.plan.moe.capacity_factor is not None:
+            dropped = self.step_fn.moe_stats()["dropped"]  # per MoE layer; the bar: the mean
+            postfix["dropped"] = f"{sum(dropped.values()) / max(1, len(dropped)):.1%}"
+            log.debug("dropped by capacity %s", dropped)
+        return postfix
+
+    def save(self, update: int, verdict: Verdict) -> None:
+        with self.monitor.section("checkpoint"):  # copied behind the next step
+            result = self.checkpoints.save(update, {"loss": verdict.loss,
+                                                    "grad_norm": verdict.grad_norm})
+        if result is not None:
+            log.info("checkpoint at step %d: %s (%.3f s blocking)", update, result.status,
+                     result.blocking_s)
 
 
 def release_other_stages(model: torch.nn.Module, step_fn) -> None:
@@ -283,55 +384,6 @@ def slow_node_monitor(cfg: TrainConfig, step_fn, rank: int) -> StepMonitor:
     return monitor
 
 
-def check_checkpoint_dir(path: str) -> None:
-    """UserError unless `path` is (or can be made) a directory this process can write: a
-    bad --checkpoint-dir fails at start, not at the first save."""
-    probe = os.path.join(path, f".mxgraph-write-test-{os.getpid()}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.unlink(probe)
-    except OSError as error:
-        raise UserError(f"--checkpoint-dir {path} is not a writable directory "
-                        f"({error.strerror or error}); choose a directory you can write") from None
-
-
-def _resume(checkpointer: FlashCheckpointer, plan: Plan, named: dict, optimizer, batches,
-            restart: int, started: float) -> int:
-    """Restore the newest snapshot (memory if every rank holds it, else disk) into the
-    live parameters, optimizer and data position; returns the step to start at (0 when
-    there is nothing to resume). Rank 0 logs where it came from and, after a restart
-    (`restart` = torchrun's restart count), how long the failure cost."""
-    restored = checkpointer.restore(into=_capture(plan, named, optimizer))
-    info = checkpointer.restore_info
-    rank = checkpointer.rank
-    prefix = f"restart {restart} (at most {os.environ.get('TORCHELASTIC_MAX_RESTARTS', '?')}): " \
-        if restart else ""
-    if restored is None:
-        if rank == 0:
-            log.warning("%snothing to resume in %s (no snapshot in memory, no committed "
-                        "checkpoint on disk): starting at step 0 (start-up with compile %.1f s)",
-                        prefix, checkpointer.directory, time.perf_counter() - started)
-        return 0
-    batches.load_state_dict(_apply(restored.state, named, optimizer))
-    if rank != 0:
-        return restored.step
-    where = "memory (every rank held it)" if info.source == "memory" else f"disk ({info.path})"
-    message = f"{prefix}resumed at step {restored.step} from {where}: restore " \
-        f"{info.seconds:.2f} s, start-up with compile {time.perf_counter() - started:.1f} s"
-    if restart:  # the failed attempt's steps after the snapshot are redone
-        lost = time.time() - restored.state.get("saved_at", time.time())
-        message += f"; {lost:.1f} s of training lost to the failure (since that snapshot)"
-    log.warning(message)
-    if info.resharded:
-        log.warning("the job runs on %d process(es) now, the checkpoint was saved on %d: data "
-                    "parallelism is %d now (each step trains --batch-size sequences per "
-                    "data-parallel rank)", checkpointer.world_size,
-                    saved_world_size(info.path), plan.resolve_dp(checkpointer.world_size))
-    return restored.step
-
-
 def step_profiler(cfg: TrainConfig, rank: int, num_steps: int):
     """A started torch.profiler.profile whose schedule skips 2 warm-up steps and records
     `cfg.profile_steps`, writing `cfg.profile`/rank{rank}.json; None without --profile."""
@@ -353,26 +405,6 @@ def step_profiler(cfg: TrainConfig, rank: int, num_steps: int):
     profiler = profile(activities=activities, schedule=recorded, on_trace_ready=write)
     profiler.start()
     return profiler
-
-
-def _capture(plan: Plan, named: dict, optimizer, data_position=None,
-             plan_dict: dict | None = None) -> dict:
-    """`capture_training_state`; when ranks hold different parameters (zero1 shards, tp/ep
-    shards, pp stages) the parameters and the optimizer state go under "rank_local" (kept
-    per rank on disk, instead of once for all ranks)."""
-    state = capture_training_state(named, optimizer, None, data_position, plan_dict)
-    state["saved_at"] = time.time()  # wall clock: a restart tells how much time it lost
-    if plan.zero1 or plan.tp > 1 or plan.pp > 1 or plan.ep > 1:
-        state["rank_local"]["sharded"] = {"model": state.pop("model"),
-                                          "optimizer": state.pop("optimizer")}
-    return state
-
-
-def _apply(state: dict, named: dict, optimizer):
-    """`apply_training_state` for a state from `_capture`; returns the data position."""
-    if "sharded" in state["rank_local"]:
-        state = {**state, **state["rank_local"]["sharded"]}
-    return apply_training_state(state, named, optimizer)
 
 
 def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig) -> float:

@@ -202,6 +202,18 @@ def test_monitor(load, tmp_path):
     assert data["call_costs_us"]["section_us"] > 0
 
 
+def test_nonfinite(load, tmp_path):
+    """Each variant times its steps; only the guard's has a self time (check_health)."""
+    out = tmp_path / "nonfinite.json"
+    load("bench_nonfinite").main(["--model", "llama-tiny", "--batch-size", "1", "--seq-len",
+                                  "16", "--rounds", "1", "--steps-per-round", "1",
+                                  "--out", str(out)])
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["off", "off_again", "guard"]
+    assert all(r["step_ms"] > 0 and r["steps"] == 1 for r in rows.values())
+    assert rows["guard"]["self_ms"] > 0 and rows["off"]["self_ms"] == 0
+
+
 @pytest.mark.slow
 def test_overlap(load, tmp_path):
     """2 ranks on the plain loopback, pp2 1f1b with overlap off and on

@@ -103,7 +103,8 @@ def test_forward_must_return_loss():
         mx.compile(torch.nn.Linear(4, 4))(torch.randn(2, 4))
 
 
-def test_save_and_resume_continue_bitwise(tmp_path, monkeypatch):
+def test_save_and_resume_continue_bitwise(tmp_path, monkeypatch, caplog):
+    """... and the resume says the loss and gradient norm of the step it resumes at."""
     monkeypatch.setenv("MXGRAPH_RUN_ID", f"test-resume-{tmp_path.name}")
     base = dict(batch_size=4, seq_len=32, warmup=2, val_batches=1,
                 checkpoint_dir=str(tmp_path / "ck"))
@@ -111,6 +112,7 @@ def test_save_and_resume_continue_bitwise(tmp_path, monkeypatch):
     train(TrainConfig(steps=3, save_every=3, **base), progress=False)
     resumed = train(TrainConfig(steps=6, resume=True, **base), progress=False)
     assert resumed["start_step"] == 3
+    assert "resumed at step 3" in caplog.text and "that step's loss" in caplog.text
     assert resumed["train_loss"] == straight["train_loss"]
     assert resumed["val_loss"] == straight["val_loss"]
 

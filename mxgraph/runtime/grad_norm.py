@@ -12,7 +12,9 @@ norm (as Megatron-LM's `clip_grad_norm`). Copies of one gradient:
   every TP rank;
 * pipeline: a parameter used by stages on several ranks (tied embeddings) is on each of them.
 
-Each gradient is then scaled by `min(1, max_norm / (norm + 1e-6))`. Returns the norm (fp32).
+Each gradient is then scaled by `min(1, max_norm / (norm + 1e-6))`, unless the norm is not
+finite: then the gradients stay as they are, so that `Step.check_health` can name the ones that
+are not finite (torch's clip would make every one NaN). Returns the norm (fp32).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch.distributed as dist
 def clip_grad_norm_(step, max_norm: float) -> torch.Tensor:
     """`step`: a compiled step (`mxgraph.step.TrainingStep`: its mesh, plan, data-parallel
     buckets, model parameters and executors)."""
-    pieces = list(_gradient_pieces(step))  # (gradient tensor, ranks holding the same values)
+    pieces = [(grad, copies) for _, grad, copies in named_gradient_pieces(step)]
     device = pieces[0][0].device if pieces else step.mesh.device  # nccl reduces device tensors
     return clip_pieces_(pieces, max_norm, device,
                         reduce=dist.is_initialized() and dist.get_world_size() > 1)
@@ -42,29 +44,39 @@ def clip_pieces_(pieces: list[tuple[torch.Tensor, int]], max_norm: float, device
         dist.all_reduce(total)
     norm = total.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    scale = torch.where(torch.isfinite(norm), scale, 1.0)  # NaN would hide where it came from
     for grad, _ in pieces:
         grad.mul_(scale.to(grad.dtype))
     return norm.float()
 
 
-def _gradient_pieces(step):
+def named_gradient_pieces(step) -> list[tuple[str, torch.Tensor, int]]:
+    """(parameter name, the gradient this rank holds of it or a slice of it under ZeRO-1,
+    ranks holding the same values), in the model's parameter order."""
     sizes = step.mesh.sizes
     holders = _pipeline_holders(step)
-    tp_split = {id(p) for n, p in step.model.named_parameters(remove_duplicate=False)
-                if n in step.layouts and step.layouts[n].tp_dim is not None}
+    named = list(step.model.named_parameters(remove_duplicate=False))
+    order = {}
+    for index, (name, param) in enumerate(named):
+        order.setdefault(id(param), (index, name))
+    tp_split = {id(p) for n, p in named if n in step.layouts and step.layouts[n].tp_dim is not None}
     data_parallel = step.data_parallel
     axis_of = {} if data_parallel is None else {
         id(p): bucket.axis for bucket in data_parallel.buckets for p in bucket.params}
+    pieces = []
     if step.plan.zero1:
         for bucket in data_parallel.buckets:
             for param, piece in data_parallel.shard_pieces(bucket):
-                yield piece, _model_copies(param, holders, sizes, tp_split)
-        return
-    for _, param in step.model_parameters():
-        if param.grad is None:
-            continue
-        dp_copies = sizes[axis_of[id(param)]] if id(param) in axis_of else 1
-        yield param.grad, dp_copies * _model_copies(param, holders, sizes, tp_split)
+                pieces.append((param, piece, _model_copies(param, holders, sizes, tp_split)))
+    else:
+        for _, param in step.model_parameters():
+            if param.grad is None:
+                continue
+            dp_copies = sizes[axis_of[id(param)]] if id(param) in axis_of else 1
+            pieces.append((param, param.grad,
+                           dp_copies * _model_copies(param, holders, sizes, tp_split)))
+    pieces.sort(key=lambda piece: order[id(piece[0])][0])
+    return [(order[id(param)][1], grad, copies) for param, grad, copies in pieces]
 
 
 def _model_copies(param, holders: dict, sizes: dict, tp_split: set[int]) -> int:
