@@ -8,11 +8,16 @@ ops (fused kernels, collectives) stay calls to their own implementations. Progra
 and outputs that are tuples (a multi-output op's value handed from F to B) are flattened
 for Inductor and rebuilt around it.
 
+A program whose graph calls back into the executor (data-parallel buckets announced during
+the backward, ZeRO-1 parameters awaited at first use, level-1 timing points) is cut at those
+calls, each piece lowered by itself and the calls made between them (`segments.py`).
+
 Not lowered yet, run as Python codegen instead (`python.py`), with a warning naming the
-program (an error under `MXGRAPH_STRICT=1`): a program whose graph calls back into the
-executor (data-parallel buckets announced during the backward, ZeRO-1 parameters awaited at
-first use, level-1 timing points) or pauses before collective waits (DualPipeV's F&B
-interleave), one with an input that is no tensor, and one Inductor refuses.
+program (an error under `MXGRAPH_STRICT=1`): a program the schedule pauses before its
+collective waits (DualPipeV's F&B interleave), one with an input that is no tensor, and one
+Inductor refuses. Collectives
+(tp, sp, cp, ep) are functional ops Inductor lowers itself: each start stays where the
+graph issues it and each wait where the graph waits.
 """
 from __future__ import annotations
 
@@ -20,8 +25,11 @@ import os
 import warnings
 
 import torch
+from torch.fx import GraphModule
+from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from mxgraph.codegen import segments
 from mxgraph.errors import TraceError
 from mxgraph.runtime.pipeline.programs import Program
 
@@ -32,15 +40,46 @@ class NotLowered(Exception):
     """Why a program stays Python codegen."""
 
 
-def lower(program: Program) -> tuple[object, str]:
+def lower(program: Program, pauses: bool = False) -> tuple[object, str]:
     """(the compiled function, Inductor's output code) for `program`; NotLowered when it
-    cannot be lowered (the reason in its message)."""
-    if program.announce or program.needs or program.points:
-        raise NotLowered("it calls back into the executor (buckets, ZeRO-1 or timing points)")
+    cannot be lowered (the reason in its message). `pauses`: the schedule runs programs
+    step by step, pausing before each collective wait (DualPipeV's F&B interleave). A
+    program that calls back into the executor is lowered in segments (`segments.py`)."""
     gm = program.gm
-    if any(n.target is _WAIT for n in gm.graph.nodes):
-        raise NotLowered("it waits for collectives it started (the executor pauses there)")
-    examples = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    if pauses and any(n.target is _WAIT for n in gm.graph.nodes):
+        raise NotLowered("the schedule pauses it before its collective waits (DualPipeV)")
+    plan = segments.cut(gm)
+    if not plan:
+        examples = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+        return _compile(gm, examples)
+    compiled, codes = [], []
+    for part in plan:
+        if isinstance(part, segments.Segment):
+            fn, code = _compile(part.gm, [n.meta.get("val") for n in part.inputs])
+            compiled.append((part, fn))
+            codes.append(f"# segment {len(codes)}\n{code}")
+        else:
+            compiled.append((part, None))
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    returned = gm.graph.find_nodes(op="output")[0].args[0]
+
+    def run(*args):
+        env = dict(zip(placeholders, args, strict=True))
+        for part, fn in compiled:
+            if fn is None:  # the executor's callbacks, in their order
+                for call in part:
+                    call.target(*map_arg(call.args, env.__getitem__))
+                continue
+            env.update(zip(part.outputs, fn(*[env[n] for n in part.inputs]), strict=True))
+        return map_arg(returned, env.__getitem__)
+    return run, "\n".join(codes)
+
+
+def _compile(gm: GraphModule, examples: list) -> tuple[object, str]:
+    """`gm` decomposed with Inductor's table and compiled by `compile_fx_inner` for inputs
+    like `examples` (their fake values; tuples flattened around Inductor)."""
+    if any(v is None for v in examples):
+        raise NotLowered("a value it reads has no recorded example")
     leaves, in_spec = tree_flatten(examples)
     if not all(isinstance(v, torch.Tensor) for v in leaves):
         raise NotLowered("an input is no tensor")

@@ -12,6 +12,7 @@ import linecache
 from itertools import count
 
 from mxgraph.codegen import inductor
+from mxgraph.codegen.segments import CALLBACK
 from mxgraph.runtime.pipeline.programs import Program, StagePrograms
 
 _module_ids = count()
@@ -38,11 +39,12 @@ def generate_program(program: Program, title: str) -> None:
     program.steps_fn = _pausing(code.src, dict(code.globals), program)
 
 
-def _lowered(program: Program, title: str) -> str | None:
+def _lowered(program: Program, title: str, pauses: bool) -> str | None:
     """Run `program` as Inductor's code from now on; its output code, or None where it
-    stays Python (with the warning of `inductor.fall_back`)."""
+    stays Python (with the warning of `inductor.fall_back`). `pauses`: the schedule pauses
+    programs before their collective waits (DualPipeV's F&B interleave)."""
     try:
-        fn, code = inductor.lower(program)
+        fn, code = inductor.lower(program, pauses)
     except inductor.NotLowered as reason:
         inductor.fall_back(title, reason)
         return None
@@ -84,7 +86,7 @@ def _announce_calls(program: Program) -> None:
         if node is None or node.op != "call_function":
             continue
         with graph.inserting_after(node):
-            graph.call_function(announce, (index, node))
+            graph.call_function(announce, (index, node)).meta[CALLBACK] = "announce"
 
 
 def _need_calls(program: Program) -> None:
@@ -101,7 +103,7 @@ def _need_calls(program: Program) -> None:
         if not users:
             continue
         with graph.inserting_before(min(users, key=order.get)):
-            graph.call_function(need, (index,))
+            graph.call_function(need, (index,)).meta[CALLBACK] = "need"
 
 
 def _point_calls(program: Program) -> None:
@@ -113,7 +115,7 @@ def _point_calls(program: Program) -> None:
         program.point(index)
     for index, timing in enumerate(program.points):
         with graph.inserting_before(timing.node):
-            graph.call_function(point, (index, timing.section))
+            graph.call_function(point, (index, timing.section)).meta[CALLBACK] = "point"
 
 
 def generate(stages: dict[int, StagePrograms], plan, dump_dir=None) -> str:
@@ -129,7 +131,7 @@ def generate(stages: dict[int, StagePrograms], plan, dump_dir=None) -> str:
             generate_program(program, title)
             parts.append(program.source)
             if plan.codegen == "inductor" and program.inputs:
-                code = _lowered(program, title)
+                code = _lowered(program, title, pauses=plan.schedule == "dualpipev")
                 if code and dump_dir is not None:
                     (dump_dir / f"inductor_stage{stage}_{kind}.py").write_text(code)
     source = "\n".join(parts)
