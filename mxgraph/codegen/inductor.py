@@ -12,10 +12,12 @@ A program whose graph calls back into the executor (data-parallel buckets announ
 the backward, ZeRO-1 parameters awaited at first use, level-1 timing points) is cut at those
 calls, each piece lowered by itself and the calls made between them (`segments.py`).
 
+So is a program the schedule pauses before its collective waits (DualPipeV's F&B
+interleave): it is cut before each wait and runs as a generator that yields there.
+
 Not lowered yet, run as Python codegen instead (`python.py`), with a warning naming the
-program (an error under `MXGRAPH_STRICT=1`): a program the schedule pauses before its
-collective waits (DualPipeV's F&B interleave), one with an input that is no tensor, and one
-Inductor refuses. Collectives
+program (an error under `MXGRAPH_STRICT=1`): one with an input that is no tensor, or a value
+without a recorded example, and one Inductor refuses. Collectives
 (tp, sp, cp, ep) are functional ops Inductor lowers itself: each start stays where the
 graph issues it and each wait where the graph waits.
 """
@@ -33,25 +35,23 @@ from mxgraph.codegen import segments
 from mxgraph.errors import TraceError
 from mxgraph.runtime.pipeline.programs import Program
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-
 
 class NotLowered(Exception):
     """Why a program stays Python codegen."""
 
 
-def lower(program: Program, pauses: bool = False) -> tuple[object, str]:
-    """(the compiled function, Inductor's output code) for `program`; NotLowered when it
-    cannot be lowered (the reason in its message). `pauses`: the schedule runs programs
-    step by step, pausing before each collective wait (DualPipeV's F&B interleave). A
-    program that calls back into the executor is lowered in segments (`segments.py`)."""
+def lower(program: Program, pauses: bool = False) -> tuple[object, object, str]:
+    """(the compiled function, its generator form that yields before each collective wait
+    or None, Inductor's output code) for `program`; NotLowered when it cannot be lowered
+    (the reason in its message). `pauses`: the schedule runs programs step by step, pausing
+    before each collective wait (DualPipeV's F&B interleave). A program that calls back
+    into the executor or pauses is lowered in segments (`segments.py`)."""
     gm = program.gm
-    if pauses and any(n.target is _WAIT for n in gm.graph.nodes):
-        raise NotLowered("the schedule pauses it before its collective waits (DualPipeV)")
-    plan = segments.cut(gm)
+    plan = segments.cut(gm, pauses)
     if not plan:
         examples = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-        return _compile(gm, examples)
+        fn, code = _compile(gm, examples)
+        return fn, None, code
     compiled, codes = [], []
     for part in plan:
         if isinstance(part, segments.Segment):
@@ -63,16 +63,26 @@ def lower(program: Program, pauses: bool = False) -> tuple[object, str]:
     placeholders = gm.graph.find_nodes(op="placeholder")
     returned = gm.graph.find_nodes(op="output")[0].args[0]
 
-    def run(*args):
+    def steps(*args):
         env = dict(zip(placeholders, args, strict=True))
         for part, fn in compiled:
-            if fn is None:  # the executor's callbacks, in their order
+            if part is segments.PAUSE:
+                yield
+            elif fn is None:  # the executor's callbacks, in their order
                 for call in part:
                     call.target(*map_arg(call.args, env.__getitem__))
-                continue
-            env.update(zip(part.outputs, fn(*[env[n] for n in part.inputs]), strict=True))
+            else:
+                env.update(zip(part.outputs, fn(*[env[n] for n in part.inputs]), strict=True))
         return map_arg(returned, env.__getitem__)
-    return run, "\n".join(codes)
+
+    def run(*args):
+        work = steps(*args)
+        while True:
+            try:
+                next(work)
+            except StopIteration as done:
+                return done.value
+    return run, steps if segments.PAUSE in plan else None, "\n".join(codes)
 
 
 def _compile(gm: GraphModule, examples: list) -> tuple[object, str]:

@@ -44,11 +44,11 @@ def _lowered(program: Program, title: str, pauses: bool) -> str | None:
     stays Python (with the warning of `inductor.fall_back`). `pauses`: the schedule pauses
     programs before their collective waits (DualPipeV's F&B interleave)."""
     try:
-        fn, code = inductor.lower(program, pauses)
+        fn, steps, code = inductor.lower(program, pauses)
     except inductor.NotLowered as reason:
         inductor.fall_back(title, reason)
         return None
-    program.fn, program.steps_fn = fn, None
+    program.fn, program.steps_fn = fn, steps
     return code
 
 

@@ -7,6 +7,10 @@ level-1 timing segment starts. Inductor would drop or move calls it cannot see i
 graph is cut at them: each run of compute between two cuts is a `Segment`, lowered by itself,
 and the callbacks run in Python between segments, in their order.
 
+Under a schedule that pauses programs before their collective waits (DualPipeV's F&B
+interleave: the other program of the pair computes while this one's transfer is on the
+wire), each wait starts a segment too, and the program runs as a generator that yields there.
+
 A cut costs fusion across it and one more compile. Timing points are each a cut (they time
 the compute between them). Announcements and needs are many (one per parameter) and only
 need to happen in time, so at most `MAX_CUTS` of them are cuts, spread evenly; the others
@@ -18,8 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
 
 CALLBACK = "mxgraph_callback"
 """`node.meta[CALLBACK]`: "announce", "need" or "point" on a callback node of `python.py`."""
@@ -39,20 +46,28 @@ class Segment:
     """Its nodes read after it (later segments, callbacks, the program's output)."""
 
 
-def cut(gm: GraphModule) -> list[Segment | list[Node]]:
+PAUSE = "pause"
+"""A cut right before a collective wait, where a pausing schedule yields (`Program.steps`)."""
+
+
+def cut(gm: GraphModule, pauses: bool = False) -> list[Segment | list[Node] | str]:
     """The program as an alternation of `Segment`s and lists of callback nodes to call
-    between them, in order; [] when the graph has no callbacks."""
+    between them, in order, with `PAUSE` before each segment that starts with a collective
+    wait when `pauses`; [] when there is nothing to cut at."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    if not any(CALLBACK in n.meta for n in nodes):
+    waits = {n for n in nodes if n.target is _WAIT} if pauses else set()
+    if not waits and not any(CALLBACK in n.meta for n in nodes):
         return []
     compute = [n for n in nodes if CALLBACK not in n.meta]
-    position, before = {}, 0  # callback -> compute nodes before it
+    position, before, pause_at = {}, 0, set()  # callback -> compute nodes before it
     for node in nodes:
         if CALLBACK in node.meta:
             position[node] = before
         else:
+            if node in waits:
+                pause_at.add(before)
             before += 1
-    gaps = _gaps(position, len(compute))
+    gaps = sorted(set(_gaps(position, len(compute))) | pause_at)
     calls: dict[int, list[Node]] = {}
     for node, at in position.items():
         calls.setdefault(_gap_of(node, at, gaps), []).append(node)
@@ -61,6 +76,8 @@ def cut(gm: GraphModule) -> list[Segment | list[Node]]:
     for start, end in zip(bounds, bounds[1:], strict=False):
         if calls.get(start):
             plan.append(calls[start])
+        if start in pause_at:
+            plan.append(PAUSE)
         if end > start:
             plan.append(_segment(gm, compute[start:end]))
     if calls.get(len(compute)):
