@@ -7,8 +7,8 @@ resident memory before them (Linux VmHWM after resetting it). Each (model, runne
 runs in its own subprocess so memory and caches do not leak between them.
 
     python benchmarks/bench_compile.py [--models llama-tiny,llama-20m] [--steps 10]
-        [--runners eager,inductor,mxmaca,mxgraph,mxgraph-inductor] [--batch-size 8]
-        [--seq-len 256] [--out bench_results/compile.json]
+        [--runners eager,inductor,mxmaca,mxmaca-inductor,mxgraph,mxgraph-inductor]
+        [--batch-size 8] [--seq-len 256] [--out bench_results/compile.json]
 """
 from __future__ import annotations
 
@@ -25,11 +25,14 @@ RUNNERS = {
     "eager": "the model's own forward + backward",
     "inductor": "torch.compile(model)",
     "mxmaca": 'torch.compile(model, backend="mxmaca")',
+    "mxmaca-inductor": 'torch.compile(model, backend="mxmaca", '
+                       'options={"plan": Plan(codegen="inductor")})',
     "mxgraph": "mxgraph.compile(model) (Python codegen)",
     "mxgraph-fusion": "mxgraph.compile(model, Plan(fusion=True))",
     "mxgraph-inductor": 'mxgraph.compile(model, Plan(codegen="inductor"))',
 }
-DEFAULT_RUNNERS = ("eager", "inductor", "mxmaca", "mxgraph", "mxgraph-inductor")
+DEFAULT_RUNNERS = ("eager", "inductor", "mxmaca", "mxmaca-inductor", "mxgraph",
+                   "mxgraph-inductor")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -55,8 +58,11 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
     if runner == "eager":
         def step():
             model(x, y).backward()
-    elif runner in ("inductor", "mxmaca"):
-        compiled = torch.compile(model, **({"backend": "mxmaca"} if runner == "mxmaca" else {}))
+    elif runner in ("inductor", "mxmaca", "mxmaca-inductor"):
+        options = {"mxmaca": {"backend": "mxmaca"}, "inductor": {},
+                   "mxmaca-inductor": {"backend": "mxmaca", "options": {
+                       "plan": mxgraph.Plan(codegen="inductor")}}}[runner]
+        compiled = torch.compile(model, **options)
 
         def step():
             compiled(x, y).backward()

@@ -33,6 +33,7 @@ from torch._functorch._aot_autograd.utils import make_boxed_func
 from torch._functorch.aot_autograd import aot_export_module
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from mxgraph.codegen import inductor
 from mxgraph.context import CompileContext
 from mxgraph.driver import check_plan, run_graph_passes
 from mxgraph.errors import TraceError
@@ -63,12 +64,32 @@ def _boxed(gm, example_inputs):
     return make_boxed_func(gm.forward)
 
 
+def _lowered(gm, example_inputs, *, title: str):
+    """Inductor as the forward or backward compiler, through codegen's lowering
+    (`codegen/inductor.py`); a graph Inductor refuses runs as fx code, loudly."""
+    try:
+        fn, _ = inductor.compile_graph(gm, list(example_inputs))
+    except inductor.NotLowered as reason:
+        inductor.fall_back(title, reason)
+        return _boxed(gm, example_inputs)
+    return make_boxed_func(fn)
+
+
+def _compilers(plan: Plan, region: str) -> dict:
+    """fw_compiler and bw_compiler for `plan.codegen`."""
+    if plan.codegen != "inductor":
+        return {"fw_compiler": _boxed, "bw_compiler": _boxed}
+    return {f"{kind}_compiler": functools.partial(_lowered, title=f"{region}, {name}")
+            for kind, name in (("fw", "forward"), ("bw", "backward"))}
+
+
 def mxmaca_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
                    **_):
     """A TorchDynamo backend: forward passes, AOTAutograd, joint passes, fx codegen."""
     plan = (options or {}).get("plan") or Plan()
     check_plan(plan, 1)
-    ctx = CompileContext.for_plan(plan, tag=f"region_{id(gm):x}")
+    region = f"region_{id(gm):x}"
+    ctx = CompileContext.for_plan(plan, tag=region)
     forward = _functional_forward(gm, example_inputs, ctx)
     if forward is not None:
         record_graphs(ctx, "capture", "step", [("forward", forward)], 0.0)
@@ -78,8 +99,8 @@ def mxmaca_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         # views that merge dims reshape, as in the evaluation pipeline
         forward = safe_views_pass(run_graph_passes("forward", forward, ctx), ctx)
         forward.recompile()
-    compiler = aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed,
-                            partition_fn=functools.partial(_partition, ctx=ctx),
+    compilers = _compilers(plan, region)
+    compiler = aot_autograd(**compilers, partition_fn=functools.partial(_partition, ctx=ctx),
                             keep_inference_input_mutations=True)
     if forward is None:
         return compiler(gm, example_inputs)
@@ -87,7 +108,7 @@ def mxmaca_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         return compiler(forward, example_inputs)
     except Exception as error:  # noqa: BLE001 - reported by _fall_back, never swallowed silently
         _fall_back(ctx, gm, f"differentiating its passed forward failed: {_first_line(error)}")
-    return aot_autograd(fw_compiler=_boxed, bw_compiler=_boxed, partition_fn=_partition_whole,
+    return aot_autograd(**compilers, partition_fn=_partition_whole,
                         keep_inference_input_mutations=True)(gm, example_inputs)
 
 

@@ -27,6 +27,7 @@ import os
 import warnings
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.fx import GraphModule
 from torch.fx.node import map_arg
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -50,12 +51,12 @@ def lower(program: Program, pauses: bool = False) -> tuple[object, object, str]:
     plan = segments.cut(gm, pauses)
     if not plan:
         examples = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-        fn, code = _compile(gm, examples)
+        fn, code = compile_graph(gm, examples)
         return fn, None, code
     compiled, codes = [], []
     for part in plan:
         if isinstance(part, segments.Segment):
-            fn, code = _compile(part.gm, [n.meta.get("val") for n in part.inputs])
+            fn, code = compile_graph(part.gm, [n.meta.get("val") for n in part.inputs])
             compiled.append((part, fn))
             codes.append(f"# segment {len(codes)}\n{code}")
         else:
@@ -85,9 +86,10 @@ def lower(program: Program, pauses: bool = False) -> tuple[object, object, str]:
     return run, steps if segments.PAUSE in plan else None, "\n".join(codes)
 
 
-def _compile(gm: GraphModule, examples: list) -> tuple[object, str]:
-    """`gm` decomposed with Inductor's table and compiled by `compile_fx_inner` for inputs
-    like `examples` (their fake values; tuples flattened around Inductor)."""
+def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
+    """(the compiled function, Inductor's output code): `gm` decomposed with Inductor's
+    table and compiled by `compile_fx_inner` for inputs like `examples` (real or fake
+    values; tuples flattened around Inductor). NotLowered when Inductor refuses it."""
     if any(v is None for v in examples):
         raise NotLowered("a value it reads has no recorded example")
     leaves, in_spec = tree_flatten(examples)
@@ -103,13 +105,20 @@ def _compile(gm: GraphModule, examples: list) -> tuple[object, str]:
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
+    fake_mode = detect_fake_mode(leaves)
+    allowed = fake_mode is not None and fake_mode.allow_non_fake_inputs
     try:
+        if fake_mode is not None:  # the graph's own constants are real tensors
+            fake_mode.allow_non_fake_inputs = True
         with torch.no_grad():
             traced = make_fx(flat, decomposition_table=select_decomp_table())(*leaves)
             compiled = compile_fx_inner(traced, leaves)
     except Exception as error:  # noqa: BLE001 - reported by the caller, which falls back
         raise NotLowered(f"Inductor refused it: {type(error).__name__}: "
                          f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
+    finally:
+        if fake_mode is not None:
+            fake_mode.allow_non_fake_inputs = allowed
     spec = out_spec[-1]
 
     def run(*args):
@@ -126,4 +135,4 @@ def fall_back(title: str, reason: NotLowered) -> None:
     warnings.warn(message + "; set MXGRAPH_STRICT=1 to make this an error", stacklevel=3)
 
 
-__all__ = ["NotLowered", "fall_back", "lower"]
+__all__ = ["NotLowered", "compile_graph", "fall_back", "lower"]
