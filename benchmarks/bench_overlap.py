@@ -9,11 +9,13 @@ communication time and the exposed part of it from a torch.profiler trace of one
 (mxgraph/overlap_report.py: time the compute thread spends blocked on transfers), the
 fraction hidden, and the step-time ratio off/on (> 1: overlap faster).
 
-`--layouts` runs a subset (the peer runs with "pp2 1f1b"); `--rates none` the plain loopback.
+`--layouts` runs a subset (the peer runs with "pp2 1f1b"); `--rates none` the plain loopback;
+`--codegens python,inductor` runs every row under each codegen (`Plan.codegen`).
 
     python benchmarks/bench_overlap.py [--rates 1gbit,4gbit] [--model llama-20m]
         [--layouts dp2,tp2+SP,"pp2 1f1b","pp2 dualpipev"] [--steps 5] [--batch-size 4]
-        [--seq-len 128] [--micro-batches 4] [--tp-chunks 4] [--out bench_results/overlap.json]
+        [--seq-len 128] [--micro-batches 4] [--tp-chunks 4] [--codegens python]
+        [--out bench_results/overlap.json]
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ def worker(args) -> None:
     tokens = torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g)
     targets = torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g)
     rows, traces = [], Path(args.traces)
-    for layout in args.layouts.split(","):
+    for codegen, layout in ((c, la) for c in args.codegens.split(",")
+                            for la in args.layouts.split(",")):
         fields = LAYOUTS[layout]
         if "pp" in fields:
             fields = dict(fields, micro_batches=args.micro_batches)
@@ -75,7 +78,7 @@ def worker(args) -> None:
         for overlap in options:
             torch.manual_seed(0)
             model = models.build_model(args.model)
-            step = mx.compile(model, mx.Plan(**fields, overlap=overlap))
+            step = mx.compile(model, mx.Plan(**fields, overlap=overlap, codegen=codegen))
             opt = torch.optim.AdamW(step.parameters() if "pp" not in fields else
                                     model.parameters(), lr=1e-4)
 
@@ -86,8 +89,8 @@ def worker(args) -> None:
             seconds = _time(train_step, args.steps)
             label = _label(overlap)
             name = f"{layout.replace(' ', '_').replace('+', '')}_{label.replace(' ', '')}"
-            summary = _profiled(train_step, traces / f"{name}.rank{rank}.json")
-            rows.append(_row(args.rate, layout, label, seconds, summary))
+            summary = _profiled(train_step, traces / f"{name}_{codegen}.rank{rank}.json")
+            rows.append(_row(args.rate, layout, label, seconds, summary) | {"codegen": codegen})
             del step, opt, model
     if "pp2 1f1b" in args.layouts.split(","):
         rows.append(_peer_row(args, rank, tokens, targets, traces))
@@ -136,7 +139,8 @@ def _peer_row(args, rank, tokens, targets, traces) -> dict:
         opt.zero_grad(set_to_none=True)
     seconds = _time(train_step, args.steps)
     summary = _profiled(train_step, traces / f"torch_1f1b.rank{rank}.json")
-    return _row(args.rate, "pp2 1f1b", "torch Schedule1F1B", seconds, summary)
+    return _row(args.rate, "pp2 1f1b", "torch Schedule1F1B", seconds, summary) | {
+        "codegen": "torch"}
 
 
 def run_rate(args, rate: str, traces: Path) -> list[dict]:
@@ -147,7 +151,8 @@ def run_rate(args, rate: str, traces: Path) -> list[dict]:
                "--json", str(out), "--traces", str(traces), "--model", args.model,
                "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--seq-len", str(args.seq_len), "--micro-batches", str(args.micro_batches),
-               "--tp-chunks", str(args.tp_chunks), "--layouts", args.layouts]
+               "--tp-chunks", str(args.tp_chunks), "--layouts", args.layouts,
+               "--codegens", args.codegens]
     if rate != "none":
         command = [str(SHAPED_LINK), rate, "--"] + command
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -171,6 +176,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--micro-batches", type=int, default=4, help="for the pp2 rows")
     parser.add_argument("--tp-chunks", type=int, default=4,
                         help="overlap.tp_chunks of the extra tp2+SP row")
+    parser.add_argument("--codegens", default="python",
+                        help="comma-separated codegens (Plan.codegen): python, inductor")
     parser.add_argument("--out", type=Path, default=Path("bench_results/overlap.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rate", help=argparse.SUPPRESS)
@@ -192,14 +199,18 @@ def main(argv=None) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'rate':<6} {'layout':<14} {'overlap':<19} {'step s':>7} {'comm ms':>8} "
-          f"{'exposed':>8} {'hidden':>7} {'off/on':>7}")
-    off = {(r["rate"], r["layout"]): r["step_s"] for r in rows if r["overlap"] == "off"}
+    """One line per row; off/on: the step time with overlap off over this row's (the same
+    rate, layout and codegen; the peer against mxgraph's Python codegen)."""
+    print(f"{'rate':<6} {'layout':<14} {'codegen':<9} {'overlap':<19} {'step s':>7} "
+          f"{'comm ms':>8} {'exposed':>8} {'hidden':>7} {'off/on':>7}")
+    off = {(r["rate"], r["layout"], r["codegen"]): r["step_s"] for r in rows
+           if r["overlap"] == "off"}
     for r in rows:
-        ratio = off[(r["rate"], r["layout"])] / r["step_s"]
-        print(f"{r['rate']:<6} {r['layout']:<14} {r['overlap']:<19} {r['step_s']:>7.3f} "
-              f"{r['comm_ms']:>8.1f} {r['exposed_ms']:>8.1f} {r['hidden']:>7.0%} "
-              f"{ratio:>7.2f}")
+        codegen = "python" if r["codegen"] == "torch" else r["codegen"]
+        ratio = off.get((r["rate"], r["layout"], codegen), float("nan")) / r["step_s"]
+        print(f"{r['rate']:<6} {r['layout']:<14} {r['codegen']:<9} {r['overlap']:<19} "
+              f"{r['step_s']:>7.3f} {r['comm_ms']:>8.1f} {r['exposed_ms']:>8.1f} "
+              f"{r['hidden']:>7.0%} {ratio:>7.2f}")
 
 
 if __name__ == "__main__":
