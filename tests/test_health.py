@@ -13,7 +13,8 @@ same batches and trains on none of the dropped ones (MXGRAPH_DRILL_DROP):
 * stop: NonFiniteError naming the step, the rank and the parameter; the checkpoint of
   step 2 is committed, intact and loadable.
 
-On one process and under dp2 and tp2 (2 gloo ranks; the NaN on rank 1).
+On one process here; under dp2 and tp2 (2 gloo ranks, the NaN on rank 1) in
+tests/test_health_ranks.py.
 """
 import math
 
@@ -23,7 +24,6 @@ import torch
 from mxgraph.runtime.checkpoint import disk
 from mxgraph.runtime.health import Guard, NonFiniteError
 from mxgraph.train import TrainConfig, train
-from tests.distributed import run_ranks
 
 BASE = dict(steps=5, batch_size=4, seq_len=32, warmup=2, val_batches=1)
 
@@ -84,8 +84,10 @@ def _same(run: dict, reference: dict) -> None:
         assert torch.equal(value, reference["parameters"][name]), name
 
 
-def _every_policy(monkeypatch, tmp, plan: str | None, rank: int, nan_rank: int) -> None:
-    """The three drills and their references under one layout, in this process."""
+def every_policy(monkeypatch, tmp, plan: str | None, rank: int, nan_rank: int,
+                 checkpoints: bool = True) -> None:
+    """The three drills and their reference under one layout, in this process; the stop
+    with checkpoints (then the last good one is checked) or without."""
     cfg = {"plan": plan}
     reference = _drill(monkeypatch, drop="2,3", **cfg)
     skipped = _drill(monkeypatch, nan=f"2@{nan_rank},3@{nan_rank}", on_nonfinite="skip", **cfg)
@@ -98,13 +100,16 @@ def _every_policy(monkeypatch, tmp, plan: str | None, rank: int, nan_rank: int) 
     _same(rolled, reference)
 
     with pytest.raises(NonFiniteError) as stopped:
-        _drill(monkeypatch, nan=f"3@{nan_rank}", save_every=2, checkpoint_dir=f"{tmp}/stop",
-               **cfg)
+        _drill(monkeypatch, nan=f"3@{nan_rank}", save_every=2 if checkpoints else 0,
+               checkpoint_dir=f"{tmp}/stop", **cfg)
     message = str(stopped.value)
     first = next(iter(skipped["parameters"]))  # the drill's NaN: the first gradient's
     assert "step 4: the gradient norm is nan" in message, message
     assert f"rank(s) {nan_rank}: 1 parameter(s) with a non-finite gradient, the first the " \
         f"backward reached: {first}" in message, message
+    if not checkpoints:
+        assert "no checkpoint is taken without --save-every" in message, message
+        return
     good = disk.step_dir(f"{tmp}/stop", 2)
     assert f"the last good checkpoint, {good}, is intact" in message, message
     if rank == 0:
@@ -117,23 +122,7 @@ def _every_policy(monkeypatch, tmp, plan: str | None, rank: int, nan_rank: int) 
 
 def test_drill_every_policy_on_one_process(tmp_path, monkeypatch):
     monkeypatch.delenv("MXGRAPH_RUN_ID", raising=False)
-    _every_policy(monkeypatch, str(tmp_path), None, rank=0, nan_rank=0)
-
-
-def _every_policy_on_ranks(rank, world, tmp):
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.delenv("MXGRAPH_RUN_ID", raising=False)
-    for name, text in (("dp2", "dp = 2\n"), ("tp2", "tp = 2\n")):
-        plan = f"{tmp}/{name}.toml"
-        if rank == 0:
-            with open(plan, "w") as f:
-                f.write(text)
-        torch.distributed.barrier()
-        _every_policy(monkeypatch, f"{tmp}/{name}", plan, rank=rank, nan_rank=1)
-
-
-def test_drill_every_policy_under_dp2_and_tp2(tmp_path):
-    run_ranks(2, _every_policy_on_ranks, str(tmp_path))
+    every_policy(monkeypatch, str(tmp_path), None, rank=0, nan_rank=0)
 
 
 def test_rotation_keeps_the_good_checkpoints_when_nan_steps_follow(tmp_path, monkeypatch):
