@@ -85,7 +85,8 @@ def _compilers(plan: Plan, region: str) -> dict:
 
 def mxmaca_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | None = None,
                    **_):
-    """A TorchDynamo backend: forward passes, AOTAutograd, joint passes, fx codegen."""
+    """A TorchDynamo backend: forward passes, AOTAutograd, joint passes, then fx code or
+    Inductor (`plan.codegen`)."""
     plan = (options or {}).get("plan") or Plan()
     check_plan(plan, 1)
     region = f"region_{id(gm):x}"

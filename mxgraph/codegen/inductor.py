@@ -4,9 +4,13 @@ A program's graph (a stage's F, B or W piece of its joint graph, already functio
 traced once more with Inductor's decomposition table (`make_fx` on the fake values its
 placeholders carry), so that every op is one Inductor lowers, and compiled by
 `compile_fx_inner`: C++/OpenMP loops on the CPU, Triton kernels on `cuda`. mxgraph's custom
-ops (fused kernels, collectives) stay calls to their own implementations. Program inputs
+ops (fused kernels, the vocabulary-parallel loss) stay calls to their own implementations
+(Inductor's fallback kernels). Program inputs
 and outputs that are tuples (a multi-output op's value handed from F to B) are flattened
 for Inductor and rebuilt around it.
+
+Collectives (tp, sp, cp) are functional ops Inductor lowers itself: each start stays where
+the graph issues it and each wait where the graph waits.
 
 A program whose graph calls back into the executor (data-parallel buckets announced during
 the backward, ZeRO-1 parameters awaited at first use, level-1 timing points) is cut at those
@@ -17,9 +21,8 @@ interleave): it is cut before each wait and runs as a generator that yields ther
 
 Not lowered yet, run as Python codegen instead (`python.py`), with a warning naming the
 program (an error under `MXGRAPH_STRICT=1`): one with an input that is no tensor, or a value
-without a recorded example, and one Inductor refuses. Collectives
-(tp, sp, cp, ep) are functional ops Inductor lowers itself: each start stays where the
-graph issues it and each wait where the graph waits.
+without a recorded example, and one Inductor refuses (expert parallelism's programs, whose
+data-dependent token counts Inductor's retrace does not bind, on torch 2.13).
 """
 from __future__ import annotations
 
