@@ -81,6 +81,7 @@ def _tp2_sp_under_inductor(rank, world):
                2, 4, 16, {"n_layers": 1})
 
 
+@pytest.mark.slow
 def test_collectives_are_lowered_by_inductor_in_place(monkeypatch):
     """tp2 + SP: every program with all-gathers, reduce-scatters and all-reduces and their
     waits is lowered (MXGRAPH_STRICT=1: none falls back) and matches eager (check_plan:
@@ -128,6 +129,7 @@ def _callbacks_under_inductor(rank, world):
         assert rel_err(inductor, python) <= 1e-5, (inductor.item(), python.item())
 
 
+@pytest.mark.slow
 def test_executor_callbacks_fire_in_lowered_programs(monkeypatch):
     """dp2 + ZeRO-1 with overlap and a level-1 monitor, programs lowered in segments
     (MXGRAPH_STRICT=1: none falls back): buckets start inside the backward, ZeRO-1 gathers

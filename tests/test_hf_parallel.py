@@ -54,6 +54,7 @@ def check_cases(rank, world, cases):
             raise AssertionError(f"{family} {plan}: {error}") from error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_family_and_layout(world):
     run_ranks(world, check_cases, CASES[world])

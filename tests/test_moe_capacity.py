@@ -187,6 +187,7 @@ def _ep2(rank, world):
         _a2a_on_vs_off(rank, world, impl)
 
 
+@pytest.mark.slow
 def test_ep2_capacity():
     run_ranks(2, _ep2)
 

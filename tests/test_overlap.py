@@ -49,6 +49,7 @@ def _cases(rank, world, cases):
                     tol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_overlap_is_bitwise_equal_to_overlap_off(world):
     run_ranks(world, _cases, TWO_RANKS if world == 2 else FOUR_RANKS)

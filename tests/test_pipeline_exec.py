@@ -184,6 +184,7 @@ def _every_schedule_pp4(rank, world, model_name):
                    dict(n_layers=8, **extra))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["llama-tiny"])
 def test_pp4_every_schedule(model_name):
     # one set of 4 processes runs all five schedules (loss and gradients, one step; 1f1b

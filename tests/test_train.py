@@ -117,6 +117,7 @@ def test_save_and_resume_continue_bitwise(tmp_path, monkeypatch, caplog):
     assert resumed["val_loss"] == straight["val_loss"]
 
 
+@pytest.mark.slow
 def test_nproc_2_tp2_resume_from_disk_continues_exactly(tmp_path):
     """Each TP rank holds other parameter shards: a disk checkpoint must keep them per
     rank (restoring rank 0's shards everywhere would silently corrupt the model)."""
