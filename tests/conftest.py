@@ -22,10 +22,3 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1
 else:
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
-
-def pytest_collection_modifyitems(config, items):
-    """Files with a `slow` test first, each file's tests in their order: xdist hands out
-    whole files (`--dist loadfile`) in collection order, and a long file handed out last
-    is the suite's tail while the other worker idles (longest first balances the two)."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
