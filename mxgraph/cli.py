@@ -176,7 +176,7 @@ def _train(args) -> int:
         stop_file = os.environ.get(STOP_FILE)
         if not stop_file:
             raise
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every node's launcher says it
             with open(stop_file, "w") as f:
                 f.write(str(error))
         close_process_group()
@@ -193,7 +193,7 @@ def _train(args) -> int:
 
 
 STOP_FILE = "MXGRAPH_STOP_FILE"
-"""Set by the launcher for its workers: where rank 0 writes why the non-finite policy
+"""Set by the launcher for its workers: where local rank 0 writes why the non-finite policy
 stopped the run; the workers then exit 0, so that torchrun does not restart them."""
 
 
