@@ -308,7 +308,7 @@ class _Loop:
                 loss.backward()
         else:  # the compiled step times its own sections
             loss = self.step_fn(inputs, targets)
-        self.drill.inject(batch, self.gradients())
+        self.drill.inject(batch, self.gradients)  # listed only when a drill writes
         if self.checkpoints is not None:  # a background save's copy ends before the update
             with self.monitor.section("checkpoint"):
                 self.checkpoints.checkpointer.wait_copied()

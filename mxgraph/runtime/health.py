@@ -206,10 +206,11 @@ class Drill:
         drop = {int(b) for b in filter(None, os.environ.get("MXGRAPH_DRILL_DROP", "").split(","))}
         return cls(nan, drop)
 
-    def inject(self, batch: int, pieces: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def inject(self, batch: int, pieces: Callable[[], Iterable[tuple[str, torch.Tensor]]]) -> None:
+        """`pieces()`: this rank's (name, gradient), listed only when the drill writes."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         if self.nan.get(batch, -1) != rank:
             return
-        name, grad = next(iter(pieces))
+        name, grad = next(iter(pieces()))
         grad.view(-1)[0] = float("nan")
         log.debug("drill: NaN written into %s's gradient on rank %d", name, rank)
