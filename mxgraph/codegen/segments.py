@@ -67,13 +67,12 @@ def cut(gm: GraphModule, pauses: bool = False) -> list[Segment | list[Node] | st
             if node in waits:
                 pause_at.add(before)
             before += 1
-    gaps = sorted(set(_gaps(position, len(compute))) | pause_at)
+    gaps = sorted(set(_gaps(position, len(compute))) | pause_at)  # 0 and the end included
     calls: dict[int, list[Node]] = {}
     for node, at in position.items():
         calls.setdefault(_gap_of(node, at, gaps), []).append(node)
     plan: list[Segment | list[Node]] = []
-    bounds = sorted(set(gaps) | {0, len(compute)})
-    for start, end in zip(bounds, bounds[1:], strict=False):
+    for start, end in zip(gaps, gaps[1:], strict=False):
         if calls.get(start):
             plan.append(calls[start])
         if start in pause_at:
