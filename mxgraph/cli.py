@@ -99,14 +99,13 @@ def torchrun_command(args, argv: list[str]) -> list[str]:
 def check_train_inputs(args) -> None:
     """UserError for a bad model, plan, data file or dtype before anything is built (or
     torchrun starts processes), so that a mistake costs no model construction."""
-    import torch
 
     from mxgraph.data import check_source
     from mxgraph.plan import Plan, require_built
+    from mxgraph.train_precision import plan_with_precision
     check_model(args)
-    if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
-        raise UserError(f"--dtype {args.dtype} is not a torch dtype; use float32 or bfloat16")
-    plan = Plan.from_toml(args.plan) if args.plan else Plan()
+    plan = plan_with_precision(Plan.from_toml(args.plan) if args.plan else Plan(),
+                               args.precision, args.dtype, args.eager, args.plan)
     world_size = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1"))
     if not args.eager:  # the compiled step lays the plan out on the processes
         try:
@@ -267,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--seq-len", type=int, default=None,
                          help="sequence length (--memory/--comm; default: the model's "
                               "max_seq_len)")
-    inspect.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                         help="parameter dtype (--memory/--comm)")
+    inspect.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                         help="parameter dtype (--memory/--comm; default: that of the plan's "
+                         "precision, else bfloat16)")
     inspect.add_argument("--layers", type=int, default=None,
                          help="trace this many layers instead of the preset's (--comm)")
     inspect.add_argument("--overlap", metavar="TRACE",

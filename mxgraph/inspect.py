@@ -67,13 +67,14 @@ def memory_main(args) -> int:
 
     from mxgraph.memory_plan import estimate_memory, format_table, plot
     plan = _model_and_plan(args, "--memory", "llama2-70b")
-    dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
     stages = estimate_memory(args.model, plan, batch_size=args.batch_size,
                              seq_len=args.seq_len, dtype=dtype)
     print(f"{args.model}  {plan.to_toml().strip().replace(chr(10), '; ') or 'default plan'}")
     print(format_table(stages))
     png = args.png or "memory.png"
-    plot(stages, png, title=f"{args.model} ({args.dtype}, mbs={args.batch_size})")
+    plot(stages, png, title=f"{args.model} ({plan.precision or args.dtype or 'bfloat16'}, "
+                            f"mbs={args.batch_size})")
     print(f"bar chart: {png}")
     return 0
 
@@ -92,14 +93,15 @@ def comm_main(args) -> int:
     config = models.preset_config(args.model)
     if args.layers:
         config = dataclasses.replace(config, n_layers=args.layers)
-    model = models.build_from_config(config, device="meta", dtype=getattr(torch, args.dtype))
+    dtype = args.dtype or "bfloat16"
+    model = models.build_from_config(config, device="meta", dtype=getattr(torch, dtype))
     tokens = torch.zeros(args.batch_size, args.seq_len or config.max_seq_len,
                          dtype=torch.long, device="meta")
     report = comm_report(model, plan, (tokens, tokens))
     layers = f", {config.n_layers} layers" if args.layers else ""
     default = Plan().to_dict()
     changed = [f"{k}={v}" for k, v in plan.to_dict().items() if v != default[k]]
-    print(f"{args.model}{layers}, batch {tuple(tokens.shape)}, {args.dtype}: "
+    print(f"{args.model}{layers}, batch {tuple(tokens.shape)}, {dtype}: "
           f"Plan({', '.join(changed)})")
     print(report.table())
     return 0

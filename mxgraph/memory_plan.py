@@ -7,9 +7,12 @@ Per rank (one per pipeline stage; TP/CP/DP/EP peers hold the same amounts):
 * **parameters** - the stage's layers (contiguous, earlier stages take the remainder), the
   embedding on stage 0, final norm + LM head on the last; matrices (>= 2-D) / tp, routed
   experts / ep (norms and router stay whole).
-* **gradients** - one per parameter, in the parameter dtype (mxgraph fills `.grad`).
-* **optimizer** - AdamW: two fp32 states per parameter, plus an fp32 master copy when the
-  parameters are not fp32; / dp under zero1.
+* **gradients** - one per parameter as kept for the optimizer: in the parameter dtype, or
+  fp32 under bf16-mixed (the main gradients; the bf16 ones are program outputs, in the
+  transient working set).
+* **optimizer** - AdamW's two moments in the dtype of what it updates (fp32; pure bf16:
+  bf16), plus the fp32 master copy under bf16-mixed; / dp under zero1. The precision is
+  `Plan.precision`, else the parameters' dtype alone (`runtime/precision.STATE_BYTES`).
 * **activations** - saved activations per micro-batch, measured on a traced graph (below)
   times the micro-batches in flight: the schedule simulator's peak activation units for
   that rank / vpp (1F1B: stage s holds pp - s; GPipe: all); 1 without pipelining.
@@ -38,6 +41,7 @@ import torch
 
 from mxgraph.context import CompileContext
 from mxgraph.driver import compile_step, fake_model
+from mxgraph.errors import PlanError
 from mxgraph.ir import ATTENTION_OPS, fused_kind, packet
 from mxgraph.memory import estimate_peak
 from mxgraph.memory_saved import node_bytes, saved_roots, size_hints
@@ -45,6 +49,7 @@ from mxgraph.passes.memory.regions import Graph, all_units, norm_units
 from mxgraph.passes.memory.remat import apply_remat
 from mxgraph.plan import Plan
 from mxgraph.runtime.cluster.mesh import Mesh
+from mxgraph.runtime.precision import PARAM_DTYPE, STATE_BYTES, precision_of_dtype
 from mxgraph.schedules import build_schedule, simulate
 
 _GiB = 2 ** 30
@@ -215,13 +220,16 @@ def _param_bytes(model, plan: Plan, layers: range, first: bool, last: bool) -> t
 
 
 def estimate_memory(model, plan: Plan, *, batch_size: int = 1, seq_len: int | None = None,
-                    dtype: torch.dtype = torch.bfloat16, dp: int | None = None,
+                    dtype: torch.dtype | None = None, dp: int | None = None,
                     flash_attention: bool = True) -> list[StageMemory]:
     """Per pipeline rank memory (see module docstring). `model`: a preset name or config;
     `batch_size`: the micro-batch size; `seq_len`: default the config's max_seq_len;
-    `flash_attention`: count math attention as a fused kernel would (no S x S saved);
-    False reproduces what the CPU runs."""
+    `dtype`: the parameters' (default: `plan.precision`'s, else bfloat16; PlanError when it
+    is not the plan's precision's); `flash_attention`: count math attention as a fused
+    kernel would (no S x S saved); False reproduces what the CPU runs."""
     import models
+    precision, dtype = plan_precision(plan, dtype)
+    state = STATE_BYTES[precision]
     config = _config(model)
     seq_len = seq_len or config.max_seq_len
     dp = dp or plan.dp or 1
@@ -240,8 +248,7 @@ def estimate_memory(model, plan: Plan, *, batch_size: int = 1, seq_len: int | No
         acts = traced[policy]
         first, last = stage == 0, stage == plan.pp - 1
         params, elements = _param_bytes(full, plan, layers, first, last)
-        master = 0 if dtype == torch.float32 else 4
-        optimizer = elements * (8 + master) // (dp if plan.zero1 else 1)
+        optimizer = elements * (state.optimizer + state.master) // (dp if plan.zero1 else 1)
         dense = sum(1 for i in layers if i < n_dense)
         moe = len(layers) - dense
         per_mb = dense * acts.dense + moe * acts.moe
@@ -253,11 +260,24 @@ def estimate_memory(model, plan: Plan, *, batch_size: int = 1, seq_len: int | No
         if first or last:
             per_mb += acts.other // (2 if plan.pp > 1 else 1) // plan.tp
         flight = flights.get(stage, 1.0)
-        stages.append(StageMemory(stage=stage, layers=len(layers), params=params, grads=params,
+        stages.append(StageMemory(stage=stage, layers=len(layers), params=params,
+                                  grads=elements * state.grads,
                                   optimizer=optimizer, activations=int(per_mb * flight),
                                   offloaded=int(host * flight),
                                   transient=acts.transient // plan.tp, in_flight=flight))
     return stages
+
+
+def plan_precision(plan: Plan, dtype: torch.dtype | None) -> tuple[str, torch.dtype]:
+    """(precision, parameter dtype) a run of `plan` with `dtype` parameters trains in."""
+    if plan.precision is None:
+        dtype = dtype or torch.bfloat16
+        return precision_of_dtype(dtype), dtype
+    wanted = PARAM_DTYPE[plan.precision]
+    if dtype is not None and dtype != wanted:
+        raise PlanError(f"precision={plan.precision!r} runs on {wanted} parameters, not "
+                        f"{dtype}; drop the dtype (or --dtype) or change the precision")
+    return plan.precision, wanted
 
 
 def format_table(stages: list[StageMemory]) -> str:

@@ -31,6 +31,7 @@ from mxgraph.runtime.health import Guard, Verdict, locate
 from mxgraph.runtime.monitor.slow_node import StepMonitor, timed
 from mxgraph.runtime.param_layout import ParamLayout
 from mxgraph.runtime.pipeline.executor import PipelineExecutor, split_microbatches
+from mxgraph.runtime.precision import PARAM_DTYPE, MasterWeights, cast_parameters_
 
 
 class TrainingStep(Protocol):
@@ -45,6 +46,8 @@ class TrainingStep(Protocol):
     """This rank's gradient buckets (and ZeRO-1 shards) once built."""
     layouts: dict[str, ParamLayout]
     """How each parameter (by name) is split over the mesh."""
+    master_weights: MasterWeights | None
+    """bf16-mixed: the fp32 main gradients and master weights (runtime/precision.py)."""
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         """One training step: the loss (averaged over data-parallel ranks and
@@ -123,6 +126,11 @@ class Step:
         (raise), `Guard("skip", max_skips=N)`, `Guard("rollback")`; runtime/health.py."""
         self.local_loss: torch.Tensor | None = None
         """This rank's loss of the last step before the data-parallel average."""
+        self.master_weights: MasterWeights | None = None
+        """`Plan(precision="bf16-mixed")`: the fp32 main gradients and master weights
+        (runtime/precision.py), built with the first compile."""
+        if plan.precision is not None:  # the compiled step runs on parameters of this dtype
+            cast_parameters_(model, PARAM_DTYPE[plan.precision])
 
     def set_monitor(self, monitor: StepMonitor | None) -> None:
         """Time every later call's sections into `monitor` (`runtime/monitor/slow_node.py`; None:
@@ -169,6 +177,10 @@ class Step:
         * tp, ep: the model's own parameter objects; the first compile cuts each one the
           passes split to this rank's part in place (same tensor objects, new `.data`), so
           an optimizer built before the first step updates what the step uses.
+        * `precision="bf16-mixed"`: fp32 master copies of the (bf16) parameters above,
+          named as those, whose `.grad` the step fills (fp32) while the model's keep
+          `.grad = None`; the step copies them, rounded, into the model's parameters at
+          its start (runtime/precision.py). Needs the graph, as pp > 1 and zero1.
         * pp > 1: this rank's stages' parameters; `zero1`: this rank's flat shards, one
           `nn.Parameter` per gradient bucket (named "zero1.bucket<i>"), whose `.grad` the
           step fills while the model's parameters keep `.grad = None` (the optimizer's
@@ -178,14 +190,18 @@ class Step:
         return (p for _, p in self.named_parameters())
 
     def named_parameters(self):
-        if not self._compiled and (self.plan.zero1 or self.plan.pp > 1):
+        mixed = self.plan.precision == "bf16-mixed"
+        if not self._compiled and (self.plan.zero1 or self.plan.pp > 1 or mixed):
             what = "zero1 lays the optimizer's shards out" if self.plan.zero1 else \
-                "pp > 1 gives each rank its stages' parameters"
+                "pp > 1 gives each rank its stages' parameters" if self.plan.pp > 1 else \
+                "precision='bf16-mixed' keeps fp32 masters of the compiled parameters"
             raise PlanError(f"{what} over the compiled graph: pass example=(a batch, as "
                             "the step takes it) to mxgraph.compile, or call "
                             "step.prepare(*batch) before step.parameters()")
         if self.plan.zero1:
             return self._data_parallel().named_shards()
+        if self.master_weights is not None:
+            return self.master_weights.named_masters()
         return iter(self.model_parameters())
 
     def model_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -207,11 +223,14 @@ class Step:
 
     def sync_parameters(self) -> None:
         """With `Plan(zero1=True)`: copy the shards the optimizer updated back into the
-        model's parameters (an all-gather over the data-parallel ranks). Each step does it
-        at its start; call it after the last `opt.step()` before evaluating or saving the
-        model. Without zero1 there is nothing to do."""
-        if self.data_parallel is not None:
+        model's parameters (an all-gather over the data-parallel ranks); bf16-mixed: the
+        fp32 masters, rounded, into the bf16 parameters. Each step does it at its start;
+        call it after the last `opt.step()` before evaluating or saving the model. Without
+        either there is nothing to do."""
+        if self.data_parallel is not None and self.plan.zero1:
             self.data_parallel.gather_parameters()
+        elif self.master_weights is not None:
+            self.master_weights.copy_to_params()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """After a step: scale this rank's gradients (the shards' under zero1) so that the
@@ -249,6 +268,8 @@ class Step:
         elif self.plan.zero1:
             with timed(self.monitor, "param_gather", "comm"):
                 self.sync_parameters()
+        elif self.master_weights is not None:  # the last opt.step() updated the masters
+            self.sync_parameters()
         try:
             loss = executor.step(split_microbatches(flat_inputs(args, kwargs),
                                                     self.plan.micro_batches))
@@ -257,7 +278,10 @@ class Step:
             if overlap is not None:
                 overlap.gather_finish()
         self.local_loss = loss.detach()
-        return self._reduce_data_parallel(loss, overlap)
+        loss = self._reduce_data_parallel(loss, overlap)
+        if self.master_weights is not None and not self.plan.zero1:
+            self.master_weights.to_masters()
+        return loss
 
     def _bucket_overlap(self, executor: PipelineExecutor) -> BucketOverlap | None:
         """With `Plan.overlap.dp_buckets` and gradients to reduce: the reductions that
@@ -301,6 +325,11 @@ class Step:
         if key not in self._compiled:
             self._compiled[key] = self._compile(args, kwargs, training=True)
             self._compiled[key].set_monitor(self.monitor)
+            if self.plan.precision == "bf16-mixed":  # masters of the parameters as compiled
+                if self.master_weights is None:
+                    self.master_weights = MasterWeights(self.model_parameters(),
+                                                        self.plan.zero1)
+                self._compiled[key].master = self.master_weights
 
     def _compile(self, args, kwargs, training: bool) -> PipelineExecutor:
         count = len(self.contexts)
@@ -347,7 +376,8 @@ class Step:
                                 "model's parameters; call step.prepare(*batch) or run one "
                                 "step before step.parameters()")
             self.data_parallel = DataParallel.build(
-                self.model_parameters(), self.layouts, self.plan, self.mesh)
+                self.model_parameters(), self.layouts, self.plan, self.mesh,
+                self.master_weights)
             if self.plan.overlap is not None and self.plan.overlap.copy_engine:
                 self.data_parallel.lane = TransferLane(self.mesh.device)
         return self.data_parallel

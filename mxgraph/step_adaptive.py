@@ -48,6 +48,10 @@ class AdaptiveMoEStep:
         return self.last.data_parallel
 
     @property
+    def master_weights(self):
+        return self.last.master_weights
+
+    @property
     def layouts(self):
         return self.last.layouts
 

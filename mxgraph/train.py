@@ -26,6 +26,8 @@ from mxgraph.runtime.cluster.launch import init_from_environment
 from mxgraph.runtime.grad_norm import named_gradient_pieces
 from mxgraph.runtime.health import Drill, Guard, NonFiniteError, Verdict, locate
 from mxgraph.runtime.monitor.slow_node import MonitorConfig, StepMonitor
+from mxgraph.runtime.precision import PARAM_DTYPE
+from mxgraph.train_precision import plan_with_precision
 from mxgraph.train_state import RunCheckpoints, check_checkpoint_dir, run_id_for
 
 log = logging.getLogger("mxgraph.train")
@@ -62,8 +64,13 @@ class TrainConfig:
     """Batches averaged for the validation loss at the end."""
     seed: int = 0
     """Seed for initialisation and data order."""
-    dtype: str = "float32"
-    """Parameter dtype: float32 or bfloat16."""
+    precision: str | None = None
+    """fp32 (default), bf16-mixed (bf16 parameters in the compiled step; fp32 gradient
+    accumulation, data-parallel reduction, clipping, AdamW and master weights, which
+    checkpoints save) or bf16 (pure: parameters, gradients and AdamW state in bf16). Or
+    set precision in the --plan file."""
+    dtype: str | None = None
+    """Older spelling: float32 = --precision fp32, bfloat16 = --precision bf16."""
     eager: bool = False
     """Run the model eagerly instead of compiling (for comparison)."""
     save_every: int = 0
@@ -147,14 +154,13 @@ def _init_distributed() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def build_training_model(cfg: TrainConfig) -> torch.nn.Module:
+def build_training_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """The model `cfg.model` names, with `cfg.model_config`'s overrides: a preset
     (`models.build_model`) or a Hugging Face model (`hf:<model_type>` or a config.json,
     `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws it away). Either has
-    `.config.vocab_size`."""
+    `.config.vocab_size`. `dtype`: its parameters' (the precision's, `PARAM_DTYPE`)."""
     import models
 
-    dtype = getattr(torch, cfg.dtype)
     overrides = parse_overrides(cfg.model_config)
     if is_hf_spec(cfg.model):
         model = build_hf_model(cfg.model, overrides, dtype=dtype)
@@ -174,8 +180,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         check_checkpoint_dir(cfg.checkpoint_dir)
     rank = _init_distributed()
     seed_everything(cfg.seed)
-    plan = Plan.from_toml(cfg.plan) if cfg.plan else Plan()
-    model = build_training_model(cfg)
+    plan = plan_with_precision(Plan.from_toml(cfg.plan) if cfg.plan else Plan(), cfg.precision,
+                               cfg.dtype, cfg.eager, cfg.plan)
+    model = build_training_model(cfg, PARAM_DTYPE[plan.precision])
     vocab = model.config.vocab_size
     tokens = load_tokens(cfg.data)
     if int(tokens.max()) >= vocab:

@@ -15,6 +15,9 @@ norm (as Megatron-LM's `clip_grad_norm`). Copies of one gradient:
 Each gradient is then scaled by `min(1, max_norm / (norm + 1e-6))`, unless the norm is not
 finite: then the gradients stay as they are, so that `Step.check_health` can name the ones that
 are not finite (torch's clip would make every one NaN). Returns the norm (fp32).
+
+bf16-mixed (`runtime/precision.py`): the gradients clipped are the fp32 ones AdamW reads, the
+masters' (the shards' under ZeRO-1).
 """
 from __future__ import annotations
 
@@ -68,12 +71,14 @@ def named_gradient_pieces(step) -> list[tuple[str, torch.Tensor, int]]:
         for bucket in data_parallel.buckets:
             for param, piece in data_parallel.shard_pieces(bucket):
                 pieces.append((param, piece, _model_copies(param, holders, sizes, tp_split)))
-    else:
+    else:  # bf16-mixed: the fp32 masters' gradients, what AdamW reads
+        master = step.master_weights
         for _, param in step.model_parameters():
-            if param.grad is None:
+            grad = param.grad if master is None else master.masters[id(param)].grad
+            if grad is None:
                 continue
             dp_copies = sizes[axis_of[id(param)]] if id(param) in axis_of else 1
-            pieces.append((param, param.grad,
+            pieces.append((param, grad,
                            dp_copies * _model_copies(param, holders, sizes, tp_split)))
     pieces.sort(key=lambda piece: order[id(piece[0])][0])
     return [(order[id(param)][1], grad, copies) for param, grad, copies in pieces]

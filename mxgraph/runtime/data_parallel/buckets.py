@@ -26,6 +26,11 @@ optimizer is built on those, so its state is sharded. The model's parameters kee
 `.grad = None`. `gather_parameters` all-gathers the shards back into the model's
 parameters (the step does so at its start; `Step.sync_parameters` for the user).
 
+bf16-mixed (`master`, a `runtime/precision.MasterWeights`): the flat buffers are fp32 and
+read the parameters' fp32 main gradients; the reduced values go back there (to the
+masters' `.grad` via `MasterWeights.to_masters`), or under ZeRO-1 into fp32 shards (the
+master weights) whose values are rounded to the bucket's dtype before the all-gather.
+
 Why in the runtime and not in the graph: the reduction runs once per optimizer step,
 after the whole step: after the last micro-batch of a pipeline schedule (and after the
 sum of tied weights' gradients over pipeline ranks), when this rank's gradients are
@@ -126,17 +131,20 @@ def _bucket(axis: str, members: list, group_size: int) -> Bucket:
 class DataParallel:
     """This rank's gradient buckets and, under ZeRO-1, its parameter shards."""
 
-    def __init__(self, buckets: list[Bucket], mesh: Mesh, zero1: bool):
+    def __init__(self, buckets: list[Bucket], mesh: Mesh, zero1: bool, master=None):
         self.buckets = buckets
         self.mesh = mesh
         self.zero1 = zero1
+        self.master = master
+        """bf16-mixed: the `MasterWeights` whose fp32 main gradients are reduced (None:
+        the parameters' own `.grad`, in their dtype)."""
         if zero1:
             for bucket in buckets:
                 bucket.shard = self._make_shard(bucket)
 
     @classmethod
-    def build(cls, named_params, layouts: dict, plan, mesh: Mesh) -> "DataParallel":
-        return cls(bucket_layout(named_params, layouts, plan, mesh), mesh, plan.zero1)
+    def build(cls, named_params, layouts: dict, plan, mesh: Mesh, master=None) -> "DataParallel":
+        return cls(bucket_layout(named_params, layouts, plan, mesh), mesh, plan.zero1, master)
 
     def named_shards(self):
         """("zero1.bucket<i>", flat shard) per bucket (ZeRO-1 only)."""
@@ -161,7 +169,7 @@ class DataParallel:
 
     def start(self, bucket: Bucket) -> "Reduction":
         """Start `bucket`'s collective on its current gradients (asynchronously)."""
-        flat = _flat_grads(bucket)
+        flat = _flat_grads(bucket, self.master)
         group = self.process_group(bucket)
         out, work = flat, None
         if self.zero1:
@@ -178,6 +186,10 @@ class DataParallel:
         if reduction.work is not None:
             reduction.work.wait()
         mine = reduction.out.div_(self.mesh.sizes["dp"])
+        if not self.zero1 and self.master is not None:
+            for param, grad in bucket.views(mine):
+                self.master.set_grad(param, grad)
+            return
         if not self.zero1:
             for param, grad in bucket.views(mine):
                 if param.grad is None:
@@ -192,6 +204,8 @@ class DataParallel:
             shard.grad.add_(mine)
         for param in bucket.params:
             param.grad = None
+            if self.master is not None:
+                self.master.set_grad(param, None)
 
     # ---- ZeRO-1 parameters ----------------------------------------------------------
     def gather_parameters(self) -> None:
@@ -204,7 +218,7 @@ class DataParallel:
     def gather_start(self, bucket: Bucket):
         """ZeRO-1: start the all-gather of `bucket`'s shards; (flat values, work or None)."""
         group = self.process_group(bucket)
-        shard = bucket.shard.detach()
+        shard = bucket.shard.detach().to(bucket.dtype)  # bf16-mixed: rounded, half the bytes
         if group is None:
             return shard, None
         flat = shard.new_empty(bucket.padded_numel)
@@ -231,7 +245,8 @@ class DataParallel:
                 yield param, bucket.shard.grad[lo - start:hi - start]
 
     def _make_shard(self, bucket: Bucket) -> torch.nn.Parameter:
-        flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])
+        dtype = torch.float32 if self.master is not None else bucket.dtype
+        flat = torch.cat([p.detach().reshape(-1).to(dtype) for p in bucket.params])
         flat = torch.nn.functional.pad(flat, (0, bucket.padded_numel - bucket.numel))
         start = self._group_rank(bucket) * bucket.shard_numel
         return torch.nn.Parameter(flat[start:start + bucket.shard_numel].clone())
@@ -254,10 +269,13 @@ class Reduction:
     work: object
 
 
-def _flat_grads(bucket: Bucket) -> torch.Tensor:
-    """The bucket's gradients in one padded buffer (zeros for missing gradients)."""
-    flat = bucket.params[0].new_zeros(bucket.padded_numel)
+def _flat_grads(bucket: Bucket, master=None) -> torch.Tensor:
+    """The bucket's gradients in one padded buffer (zeros for missing gradients); with a
+    `master` (bf16-mixed) its fp32 main gradients in an fp32 buffer."""
+    dtype = torch.float32 if master is not None else bucket.dtype
+    flat = bucket.params[0].new_zeros(bucket.padded_numel, dtype=dtype)
     for param, view in bucket.views(flat):
-        if param.grad is not None:
-            view.copy_(param.grad)
+        grad = param.grad if master is None else master.grad_of(param)
+        if grad is not None:
+            view.copy_(grad)
     return flat

@@ -291,8 +291,15 @@ class PipelineExecutor:
         finally:
             program.on_ready = None
 
+    master = None
+    """bf16-mixed: the step's `runtime/precision.MasterWeights`; parameter gradients are
+    added into its fp32 main gradients instead of `.grad` (None: into `.grad`)."""
+
     def _accumulate(self, run: PipelineRun, stage: int, mb: int, name: str, grad) -> None:
-        accumulate_grad(run.params[name], grad)
+        if self.master is None:
+            accumulate_grad(run.params[name], grad)
+        else:
+            self.master.accumulate(run.params[name], grad)
         if self.grad_ready is None or run.last_weight_mb.get(stage) != mb:
             return
         param = run.params[name]
@@ -422,7 +429,11 @@ class PipelineExecutor:
         for name, holders in self.shared_params:
             param = params[name]
             held = self.mesh.coords["pp"] in holders
-            grad = param.grad if held and param.grad is not None else torch.zeros_like(param)
+            mine = param.grad if self.master is None else self.master.grad_of(param)
+            grad = mine if held and mine is not None else torch.zeros_like(
+                param, dtype=param.dtype if self.master is None else torch.float32)
             dist.all_reduce(grad, group=self.mesh.group("pp"))
-            if held:
+            if held and self.master is None:
                 param.grad = grad
+            elif held:
+                self.master.set_grad(param, grad)

@@ -1,0 +1,119 @@
+"""Training precision side by side: fp32, bf16-mixed and pure bf16 on the same run.
+
+For each precision, `mxgraph train` (the library call, same seed, data and schedule) runs
+`--steps` steps of `--model` on the built-in text; the table gives the last step's train
+loss, the validation loss, and each one's relative difference from fp32 (bf16-mixed's
+target: within 1%).
+
+Memory: a compiled step of the same model in each precision takes one step and one AdamW
+update; "measured" is the bytes of the tensors then held for training state, counted
+tensor by tensor (`numel * element_size`): the parameters the step runs on, their
+gradients as kept for the optimizer (bf16-mixed: the masters' fp32 ones), the fp32 master
+weights, and AdamW's exp_avg and exp_avg_sq (its per-tensor step counters, 4 bytes per
+tensor, apart). "estimate" is `memory_plan.estimate_memory`'s params + grads + optimizer for
+that precision. Activations are not in either (tests/test_memory_plan.py checks those).
+
+    python benchmarks/bench_precision.py [--model llama-20m] [--steps 200] [--batch-size 4]
+        [--seq-len 64] [--out bench_results/precision.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import models
+import mxgraph as mx
+from mxgraph.memory_plan import estimate_memory
+from mxgraph.train import TrainConfig, train
+
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+
+
+def state_bytes(step, optimizer) -> dict[str, int]:
+    """Bytes of the training state a compiled step and its optimizer hold now (see the
+    module docstring): parameters, gradients, masters, AdamW moments, step counters."""
+    def size(t):
+        return t.numel() * t.element_size()
+    model_params = [p for _, p in step.model_parameters()]
+    updated = list(step.parameters())
+    mixed = step.master_weights is not None
+    grads = [p.grad for p in (updated if mixed else model_params) if p.grad is not None]
+    moments = [t for state in optimizer.state.values() for key, t in state.items()
+               if key in ("exp_avg", "exp_avg_sq")]
+    counters = [t for state in optimizer.state.values() for key, t in state.items()
+                if key == "step"]
+    return {"params": sum(map(size, model_params)), "grads": sum(map(size, grads)),
+            "master": sum(map(size, updated)) if mixed else 0,
+            "optimizer": sum(map(size, moments)), "step_counters": sum(map(size, counters))}
+
+
+def measure_memory(model_name: str, precision: str, batch_size: int, seq_len: int) -> dict:
+    torch.manual_seed(0)
+    model = models.build_model(model_name)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (batch_size, seq_len + 1))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    step = mx.compile(model, mx.Plan(precision=precision), example=batch)
+    optimizer = torch.optim.AdamW(step.parameters(), lr=1e-4)
+    step(*batch)
+    step.clip_grad_norm_(1.0)
+    optimizer.step()
+    held = state_bytes(step, optimizer)
+    stage, = estimate_memory(model_name, mx.Plan(precision=precision), batch_size=batch_size,
+                             seq_len=seq_len)
+    estimate = stage.params + stage.grads + stage.optimizer
+    measured = held["params"] + held["grads"] + held["master"] + held["optimizer"]
+    return {"measured_bytes": measured, "estimate_bytes": estimate,
+            "estimate_error": estimate / measured - 1, "held": held,
+            "estimate": {"params": stage.params, "grads": stage.grads,
+                         "optimizer_and_master": stage.optimizer}}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-20m")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--val-batches", type=int, default=10)
+    parser.add_argument("--out", default="bench_results/precision.json")
+    args = parser.parse_args(argv)
+    rows = []
+    for precision in PRECISIONS:
+        started = time.perf_counter()
+        cfg = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size,
+                          seq_len=args.seq_len, warmup=min(50, args.steps // 4),
+                          val_batches=args.val_batches, precision=precision,
+                          monitor_json="/dev/null")
+        result = train(cfg, progress=False)
+        row = {"precision": precision, "train_loss": result["train_loss"],
+               "val_loss": result["val_loss"], "train_s": time.perf_counter() - started}
+        row.update(measure_memory(args.model, precision, args.batch_size, args.seq_len))
+        rows.append(row)
+        print(f"{precision}: done in {row['train_s']:.0f} s", flush=True)
+    fp32 = rows[0]
+    for row in rows:
+        row["train_vs_fp32"] = row["train_loss"] / fp32["train_loss"] - 1
+        row["val_vs_fp32"] = row["val_loss"] / fp32["val_loss"] - 1
+    print(f"{args.model}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}; "
+          f"memory: training state bytes (params + grads + masters + AdamW), MiB")
+    print(f"{'precision':<11} {'train':>7} {'val':>7} {'train/fp32':>10} {'val/fp32':>9} "
+          f"{'measured':>9} {'estimate':>9} {'est err':>8} {'seconds':>8}")
+    for row in rows:
+        print(f"{row['precision']:<11} {row['train_loss']:>7.4f} {row['val_loss']:>7.4f} "
+              f"{row['train_vs_fp32']:>+10.2%} {row['val_vs_fp32']:>+9.2%} "
+              f"{row['measured_bytes'] / 2 ** 20:>9.1f} {row['estimate_bytes'] / 2 ** 20:>9.1f} "
+              f"{row['estimate_error']:>+8.2%} {row['train_s']:>8.0f}")
+    result = {"model": args.model, "steps": args.steps, "batch_size": args.batch_size,
+              "seq_len": args.seq_len, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
