@@ -13,8 +13,8 @@ weights, and AdamW's exp_avg and exp_avg_sq (its per-tensor step counters, 4 byt
 tensor, apart). "estimate" is `memory_plan.estimate_memory`'s params + grads + optimizer for
 that precision. Activations are not in either (tests/test_memory_plan.py checks those).
 
-    python benchmarks/bench_precision.py [--model llama-20m] [--steps 200] [--batch-size 4]
-        [--seq-len 64] [--out bench_results/precision.json]
+    python benchmarks/bench_precision.py [--model llama-20m] [--steps 200] [--batch-size 2]
+        [--seq-len 32] [--val-batches 20] [--threads 1] [--out bench_results/precision.json]
 """
 from __future__ import annotations
 
@@ -77,11 +77,15 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-20m")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--val-batches", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--val-batches", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (on a shared 2-core machine 2 threads spin against "
+                        "the other jobs: 21 s a step instead of 0.5)")
     parser.add_argument("--out", default="bench_results/precision.json")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     rows = []
     for precision in PRECISIONS:
         started = time.perf_counter()
@@ -89,7 +93,7 @@ def main(argv=None) -> dict:
                           seq_len=args.seq_len, warmup=min(50, args.steps // 4),
                           val_batches=args.val_batches, precision=precision,
                           monitor_json="/dev/null")
-        result = train(cfg, progress=False)
+        result = train(cfg, progress=True)  # the bar on stderr
         row = {"precision": precision, "train_loss": result["train_loss"],
                "val_loss": result["val_loss"], "train_s": time.perf_counter() - started}
         row.update(measure_memory(args.model, precision, args.batch_size, args.seq_len))

@@ -22,8 +22,7 @@ RECOMPUTE_KINDS = ("norm", "act", "attn", "mlp", "moe_light", "moe_medium", "moe
 OFFLOAD_KINDS = ("all", "attn", "mlp", "norm", "act", "moe")
 CODEGENS = ("python", "inductor")
 """`Plan.codegen` choices."""
-PRECISIONS = ("fp32", "bf16-mixed", "bf16")
-"""`Plan.precision` choices (runtime/precision.py says what each holds)."""
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")  # `Plan.precision`; runtime/precision.py: what each holds
 FUSION_KINDS = ("swiglu", "bias_gelu", "bias_dropout_add", "rope", "gqa", "rmsnorm",
                 "linear_cross_entropy", "moe_permute", "moe_router")
 
@@ -140,11 +139,8 @@ class Plan:
     """Shard optimizer state over the data-parallel ranks (ZeRO stage 1): `step.parameters()`
     are then this rank's flat shards, one per gradient bucket (see runtime/data_parallel/buckets.py)."""
     precision: str | None = None
-    """Training precision: None = the parameters' own dtype throughout (an fp32 model trains
-    in fp32, a bf16 one in pure bf16); "fp32" or "bf16" cast the parameters to that dtype at
-    compile; "bf16-mixed" runs the step on bf16 parameters and keeps fp32 gradients and fp32
-    master weights for the optimizer (`step.parameters()` are then the masters; with zero1
-    the flat shards are fp32 masters). See runtime/precision.py."""
+    """None = the parameters' own dtype; "fp32" or "bf16" (pure) cast them at compile; "bf16-mixed": bf16 parameters
+    in the step, fp32 gradients and master weights (`step.parameters()`) for the optimizer; runtime/precision.py."""
     bucket_mb: float = 25.0
     """Size cap in MiB of a gradient bucket: data-parallel gradients move in one collective
     per bucket."""
@@ -242,12 +238,7 @@ class Plan:
             raise PlanError("zero1 does not combine with moe.adaptive_recompute_threshold yet "
                             "(its two compiled variants would each shard the optimizer "
                             "state); turn one of them off")
-        if self.precision is not None:
-            _check_choice("precision", self.precision, PRECISIONS)
-        if self.precision == "bf16-mixed" and self.moe.adaptive_recompute_threshold is not None:
-            raise PlanError("precision='bf16-mixed' does not combine with "
-                            "moe.adaptive_recompute_threshold yet (its two compiled variants "
-                            "would each keep master weights); turn one of them off")
+        _check_choice("precision", self.precision or "fp32", PRECISIONS)
         if self.memory_budget is not None and self.memory_budget <= 0:
             raise PlanError(f"memory_budget={self.memory_budget} must be a positive byte count")
         if world_size is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mxgraph.errors import PlanError
 from mxgraph.plan import Plan
 from mxgraph.runtime.adaptive import count_tokens_per_rank, log, variant_plans
 from mxgraph.runtime.cluster.mesh import Mesh
@@ -20,6 +21,10 @@ class AdaptiveMoEStep:
 
     def __init__(self, model: torch.nn.Module, plan: Plan, ep: int | None = None,
                  mesh: Mesh | None = None):
+        if plan.precision == "bf16-mixed":
+            raise PlanError("precision='bf16-mixed' does not combine with "
+                            "moe.adaptive_recompute_threshold yet (its two compiled variants "
+                            "would each keep master weights); turn one of them off")
         self.model = model
         self.plan = plan
         self.mesh = mesh or Mesh.from_plan(plan)

@@ -173,7 +173,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     """Train; returns {"train_loss" (the last applied step's), "val_loss", "tokens_per_s",
     "seconds", "start_step", "skipped" and "rollbacks" (steps the non-finite policy did
     not apply), "parameters" (name -> this rank's tensor after the run: its shards, its
-    stages)}. Raises NonFiniteError when the policy stops the run."""
+    stages), "optimized" (name -> what the optimizer updated: the same, or the fp32 master
+    weights under bf16-mixed, the flat shards under zero1)}. Raises NonFiniteError when the policy stops the run."""
     started = time.perf_counter()
     guard = nonfinite_guard(cfg)
     if cfg.save_every or cfg.resume:
@@ -236,7 +237,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     return {"train_loss": loop.loss, "val_loss": val_loss, "seconds": loop.seconds,
             "tokens_per_s": max(1, loop.iterations) * cfg.batch_size * cfg.seq_len / loop.seconds,
             "start_step": start_step, "skipped": loop.count("skip"),
-            "rollbacks": loop.count("rollback"), "parameters": dict(held)}
+            "rollbacks": loop.count("rollback"), "parameters": dict(held),
+            "optimized": dict(named)}
 
 
 def nonfinite_guard(cfg: TrainConfig) -> Guard:

@@ -37,9 +37,11 @@ def test_estimate_matches_measured_step(name, policy):
 def test_parameters_optimizer_and_sharding_on_meta():
     name = "llama2-70b"
     count = models.count_params(models.build_model(name, device="meta"))
-    one, = estimate_memory(name, mx.Plan(), seq_len=128)
-    assert one.params == 2 * count and one.optimizer == 12 * count
-    sharded, = estimate_memory(name, mx.Plan(zero1=True, dp=4), seq_len=128)
+    one, = estimate_memory(name, mx.Plan(precision="bf16-mixed"), seq_len=128)
+    # bf16 parameters, fp32 main gradients, AdamW's two fp32 moments + the fp32 master
+    assert one.params == 2 * count and one.grads == 4 * count and one.optimizer == 12 * count
+    sharded, = estimate_memory(name, mx.Plan(zero1=True, dp=4, precision="bf16-mixed"),
+                               seq_len=128)
     assert sharded.optimizer == 12 * count // 4 and sharded.params == one.params
     stages = estimate_memory(name, mx.Plan(pp=4, micro_batches=8, tp=8,
                                            sequence_parallel=True), seq_len=128)

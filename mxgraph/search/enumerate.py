@@ -131,7 +131,7 @@ def check_candidate(setting: Setting, fields: dict) -> Plan:
     stages = fields["pp"] * fields["vpp"]
     if stages > setting.config.n_layers:
         raise PlanError(f"{stages} stages for {setting.config.n_layers} layers")
-    plan = Plan(**fields)
+    plan = Plan(**fields, precision=setting.precision)
     check_plan(plan, setting.gpus)
     check_schedule(plan)  # the schedule's own rules (micro-batch counts)
     return plan

@@ -17,10 +17,12 @@ all-to-alls (with `moe.a2a_overlap`) are half hidden behind independent compute 
 with `overlap.tp_chunks`); other in-graph collectives stay exposed.
 
 Memory per pipeline rank: parameters and gradients (local shapes from the graph; a second
-gradient copy with several micro-batches, `grad_copies`), AdamW state (fp32 m and v, plus an
-fp32 master copy for non-fp32 parameters; / dp under ZeRO-1, experts / dp/ep; ZeRO-1's flat
-parameter shards too, not their gradients: those exist only once the reduce-scatter freed the
-model's gradients, after the backward's peak), saved activations per layer kind read from the same
+gradient copy with several micro-batches, `grad_copies`), AdamW state and master weights as
+the plan's precision holds them (`Plan.precision`, else `Setting.precision`;
+`runtime/precision.STATE_BYTES`: fp32 m and v plus fp32 masters and fp32 gradients under
+bf16-mixed; / dp under ZeRO-1, experts / dp/ep; ZeRO-1's flat parameter shards too (under
+bf16-mixed they are the masters), not their gradients: those exist only once the
+reduce-scatter freed the model's gradients, after the backward's peak), saved activations per layer kind read from the same
 traced joint graph (`memory_plan.saved_by_layer`: the plan's own sharding, recompute and
 offload) times the micro-batch size and the micro-batches in flight (the schedule
 simulator's peak units / vpp, as `memory_plan.in_flight`; `LayerCosts.w_retained` of a unit
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 
 from mxgraph.memory_plan import stage_layers
 from mxgraph.plan import Plan
+from mxgraph.runtime.precision import STATE_BYTES
 from mxgraph.schedules import Costs
 from mxgraph.search.device import DeviceProfile
 from mxgraph.search.layer_cost import TRACED_EP, PartCost, TraceKey
@@ -228,8 +231,8 @@ def rank_memory(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: 
     acts = activations(setting, plan, costs, exact)
     flight = flights(setting, plan, costs.w_retained)
     dp = plan.dp or 1
-    element = {"float32": 4}.get(setting.device.dtype, 2)
-    master = 0 if element == 4 else 4
+    state = STATE_BYTES[plan.precision or setting.precision]
+    element = state.params
     out = []
     for rank, held in ranks.items():
         params = experts = per_mb = 0.0
@@ -243,9 +246,11 @@ def rank_memory(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: 
         elements_expert = experts / element
         shard = (dp, max(1, dp // plan.ep)) if plan.zero1 else (1, 1)
         owned = elements_dense / shard[0] + elements_expert / shard[1]
-        out.append({"params": params, "experts": experts, "grads": params * grad_copies(plan),
-                    "optimizer": (8 + master) * owned,
-                    "shards": element * owned if plan.zero1 else 0.0,
+        elements = params / element
+        out.append({"params": params, "experts": experts,
+                    "grads": elements * (state.grads + (grad_copies(plan) - 1) * element),
+                    "optimizer": (state.optimizer + state.master) * owned,
+                    "shards": element * owned if plan.zero1 and not state.master else 0.0,
                     "activations": per_mb * mbs * flight.get(rank, 1.0),
                     "transient": acts.transient * mbs})
     return out
@@ -385,6 +390,9 @@ def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: di
     worst = max(memory, key=lambda r: r["params"])
     bucket = plan.bucket_mb * 2 ** 20
     kinds = ("reduce_scatter", "all_gather") if plan.zero1 else ("all_reduce",)
+    state = STATE_BYTES[plan.precision or setting.precision]
+    widen = {kind: state.grads / state.params for kind in kinds}  # bf16-mixed: fp32 grads
+    widen["all_gather"] = 1.0  # the parameters, in their own dtype
     total = one = 0.0
     buckets = 0
     # the routed experts' gradients are reduced over the data-parallel ranks that hold the
@@ -395,7 +403,8 @@ def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: di
             continue
         if plan.cp > 1:
             axis += "_cp"
-        one = sum(comm_time(setting, plan, axis, kind, min(bucket, grads)) for kind in kinds)
+        one = sum(comm_time(setting, plan, axis, kind, min(bucket, grads) * widen[kind])
+                  for kind in kinds)
         total += one * (grads / min(bucket, grads))
         buckets += max(1, math.ceil(grads / bucket))
     overlap = plan.overlap
@@ -411,8 +420,9 @@ def optimizer_time(setting: Setting, plan: Plan, memory: list[dict], costs, stag
     """AdamW over this rank's (shard of) parameters plus the gradient-norm clip."""
     device = setting.device
     worst = max(memory, key=lambda r: r["params"])
-    element = {"float32": 4}.get(device.dtype, 2)
-    elements = worst["optimizer"] / (8 + (0 if element == 4 else 4))
+    state = STATE_BYTES[plan.precision or setting.precision]
+    element = state.params
+    elements = worst["optimizer"] / (state.optimizer + state.master)
     tensors = max(sum(stages[s][kind] * costs.param_tensors.get(kind, 0)
                       for s in held for kind in stages[s]) for held in ranks.values())
     if plan.zero1:

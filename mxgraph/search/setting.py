@@ -30,6 +30,14 @@ class Setting:
     schedules: dict = field(default_factory=dict)
     """Caches (activations, in-flight micro-batches, part times, schedules) of this search."""
 
+    @property
+    def precision(self) -> str:
+        """The precision the plans are searched for, and that each plan found carries
+        (`Plan.precision`, so `mxgraph train --plan` holds what was predicted): fp32 on a
+        float32 device profile, else bf16-mixed (fp32 master weights and gradients, what
+        users train large models in; runtime/precision.py)."""
+        return "fp32" if self.device.dtype == "float32" else "bf16-mixed"
+
     def __post_init__(self):
         if self.cache is None:
             self.cache = TraceCache(self.library)
