@@ -27,7 +27,7 @@ from mxgraph.runtime.grad_norm import named_gradient_pieces
 from mxgraph.runtime.health import Drill, Guard, NonFiniteError, Verdict, locate
 from mxgraph.runtime.monitor.slow_node import MonitorConfig, StepMonitor
 from mxgraph.runtime.precision import PARAM_DTYPE
-from mxgraph.train_precision import plan_with_precision
+from mxgraph.train_precision import check_precision_flags, plan_with_precision
 from mxgraph.train_state import RunCheckpoints, check_checkpoint_dir, run_id_for
 
 log = logging.getLogger("mxgraph.train")
@@ -154,13 +154,15 @@ def _init_distributed() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def build_training_model(cfg: TrainConfig, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_training_model(cfg: TrainConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The model `cfg.model` names, with `cfg.model_config`'s overrides: a preset
     (`models.build_model`) or a Hugging Face model (`hf:<model_type>` or a config.json,
     `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws it away). Either has
-    `.config.vocab_size`. `dtype`: its parameters' (the precision's, `PARAM_DTYPE`)."""
+    `.config.vocab_size`. `dtype`: its parameters' (default: those of the precision that
+    --precision or --dtype ask for, `PARAM_DTYPE`)."""
     import models
 
+    dtype = dtype or PARAM_DTYPE[check_precision_flags(cfg.precision, cfg.dtype) or "fp32"]
     overrides = parse_overrides(cfg.model_config)
     if is_hf_spec(cfg.model):
         model = build_hf_model(cfg.model, overrides, dtype=dtype)

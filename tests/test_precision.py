@@ -235,3 +235,14 @@ def test_precision_flags_and_plan_disagreeing_are_one_line_errors():
         mx.Plan(precision="mixed")
     with pytest.raises(PlanError, match="runs on torch.bfloat16"):
         estimate_memory("llama-tiny", mx.Plan(precision="bf16-mixed"), dtype=torch.float32)
+
+
+def test_cli_disagreeing_flags_are_one_line_with_status_2(capfd):
+    """`mxgraph train --precision bf16-mixed --dtype bfloat16`: exit 2, one line, before
+    anything is built."""
+    from mxgraph.cli import main
+    assert main(["train", "--precision", "bf16-mixed", "--dtype", "bfloat16"]) == 2
+    out = capfd.readouterr()
+    assert out.out == ""
+    assert out.err == ("mxgraph: error: --dtype bfloat16 means --precision bf16, but --precision "
+                       "bf16-mixed was given; drop --dtype (--precision replaces it)\n")

@@ -22,12 +22,12 @@ the plan's precision holds them (`Plan.precision`, else `Setting.precision`;
 `runtime/precision.STATE_BYTES`: fp32 m and v plus fp32 masters and fp32 gradients under
 bf16-mixed; / dp under ZeRO-1, experts / dp/ep; ZeRO-1's flat parameter shards too (under
 bf16-mixed they are the masters), not their gradients: those exist only once the
-reduce-scatter freed the model's gradients, after the backward's peak), saved activations per layer kind read from the same
-traced joint graph (`memory_plan.saved_by_layer`: the plan's own sharding, recompute and
-offload) times the micro-batch size and the micro-batches in flight (the schedule
-simulator's peak units / vpp, as `memory_plan.in_flight`; `LayerCosts.w_retained` of a unit
-kept from B to W), and the transient working set of one micro-batch. The
-pre-score reads the unsharded graph under the plan's policy instead, split by tp and cp as
+reduce-scatter freed the model's gradients, after the backward's peak), saved activations
+per layer kind read from the same traced joint graph (`memory_plan.saved_by_layer`: the
+plan's own sharding, recompute and offload) times the micro-batch size and the micro-batches
+in flight (the schedule simulator's peak units / vpp, as `memory_plan.in_flight`;
+`LayerCosts.w_retained` of a unit kept from B to W), and the transient working set of one
+micro-batch. The pre-score reads the unsharded graph under the plan's policy instead, split by tp and cp as
 `memory_plan.estimate_memory` does (`activations`).
 
 Schedules with more than 3 pp micro-batches are simulated at 2 pp and 3 pp and extrapolated
