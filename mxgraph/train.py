@@ -176,7 +176,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     "seconds", "start_step", "skipped" and "rollbacks" (steps the non-finite policy did
     not apply), "parameters" (name -> this rank's tensor after the run: its shards, its
     stages), "optimized" (name -> what the optimizer updated: the same, or the fp32 master
-    weights under bf16-mixed, the flat shards under zero1)}. Raises NonFiniteError when the policy stops the run."""
+    weights under bf16-mixed, the flat shards under zero1)}. Raises NonFiniteError when the
+    policy stops the run."""
     started = time.perf_counter()
     guard = nonfinite_guard(cfg)
     if cfg.save_every or cfg.resume:

@@ -87,15 +87,20 @@ def batches(seed: int, halves: int):
     return [batch(seq_len=16, seed=10 * seed + h) for h in range(halves)]
 
 
-def test_bf16_mixed_adamw_steps_equal_the_fp32_master_reference():
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_bf16_mixed_adamw_steps_equal_the_fp32_master_reference(micro_batches):
+    """With 2 micro-batches the reference averages each one's bf16 gradients in fp32 (what
+    fp32 accumulation gives; a bf16 sum would round after each add)."""
     model = tiny_model()
     reference = Reference(model)
-    step = mx.compile(model, mx.Plan(precision="bf16-mixed"), example=batch(seq_len=16))
+    plan = mx.Plan(precision="bf16-mixed", micro_batches=micro_batches)
+    step = mx.compile(model, plan, example=batch(seq_len=16))
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     optimizer = torch.optim.AdamW(step.parameters(), **ADAMW)
     eager = copy.deepcopy(reference.model)
     for i in range(STEPS):
         args, = batches(i, 1)
+        halves = [tuple(t.chunk(micro_batches)[m] for t in args) for m in range(micro_batches)]
         if i == 0:  # the loss is fp32, the bf16 model's (bf16 tolerance: other kernels)
             loss = step(*args)
             assert loss.dtype == torch.float32
@@ -107,7 +112,7 @@ def test_bf16_mixed_adamw_steps_equal_the_fp32_master_reference():
         step.clip_grad_norm_(1.0)
         optimizer.step()
         optimizer.zero_grad()
-        reference.update([args])
+        reference.update(halves)
         for name, master in step.named_parameters():
             assert master.dtype == torch.float32
             assert rel_err(master, reference.masters[name]) <= TOL, (i, name)
