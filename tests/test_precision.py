@@ -122,41 +122,47 @@ def test_bf16_mixed_adamw_steps_equal_the_fp32_master_reference(micro_batches):
         assert torch.equal(param, masters[name].to(torch.bfloat16)), name
 
 
-def _dp2_zero1(rank, world, path, example):
-    model = tiny_model()
-    plan = mx.Plan(dp=2, zero1=True, precision="bf16-mixed")
-    step = mx.compile(model, plan, example=example)
-    optimizer = torch.optim.AdamW(step.parameters(), **ADAMW)
-    for i in range(STEPS):
-        step(*batches(i, 2)[rank])
-        step.clip_grad_norm_(1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-    step.sync_parameters()
-    masters = {}
-    for bucket in step.data_parallel.buckets:  # the fp32 shards, gathered and unflattened
-        assert bucket.shard.dtype == torch.float32
-        flat = bucket.shard.new_empty(bucket.padded_numel)
-        torch.distributed.all_gather_into_tensor(flat, bucket.shard.detach())
-        for name, (_, view) in zip(bucket.names, bucket.views(flat), strict=True):
-            masters[name] = view.clone()
-    if rank == 0:
+def _dp2(rank, world, path, example):
+    """dp2 bf16-mixed steps with and without ZeRO-1; rank 0 saves the masters (the fp32
+    shards gathered and unflattened under zero1) and the bf16 parameters."""
+    saved = {}
+    for zero1 in (True, False):
+        model = tiny_model()
+        plan = mx.Plan(dp=2, zero1=zero1, precision="bf16-mixed")
+        step = mx.compile(model, plan, example=example)
+        optimizer = torch.optim.AdamW(step.parameters(), **ADAMW)
+        for i in range(STEPS):
+            step(*batches(i, 2)[rank])
+            step.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        step.sync_parameters()
+        masters = {} if zero1 else {n: p.detach().clone() for n, p in step.named_parameters()}
+        for bucket in step.data_parallel.buckets if zero1 else ():
+            assert bucket.shard.dtype == torch.float32
+            flat = bucket.shard.new_empty(bucket.padded_numel)
+            torch.distributed.all_gather_into_tensor(flat, bucket.shard.detach())
+            for name, (_, view) in zip(bucket.names, bucket.views(flat), strict=True):
+                masters[name] = view.clone()
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        torch.save({"masters": masters, "params": params}, path)
+        saved[f"zero1={zero1}"] = {"masters": masters, "params": params}
+    if rank == 0:
+        torch.save(saved, path)
 
 
 @pytest.mark.slow
-def test_dp2_zero1_bf16_mixed_equals_the_single_process_reference(tmp_path):
+def test_dp2_bf16_mixed_with_and_without_zero1_equals_the_single_process_reference(tmp_path):
     reference = Reference(tiny_model())
     for i in range(STEPS):
         reference.update(batches(i, 2))
     path = str(tmp_path / "rank0.pt")
-    run_ranks(2, _dp2_zero1, path, batch(seq_len=16))
-    got = torch.load(path)
-    assert got["masters"].keys() == reference.masters.keys()
-    for name, master in reference.masters.items():
-        assert rel_err(got["masters"][name], master) <= TOL, name
-        assert torch.equal(got["params"][name], got["masters"][name].to(torch.bfloat16)), name
+    run_ranks(2, _dp2, path, batch(seq_len=16))
+    for layout, got in torch.load(path).items():
+        assert got["masters"].keys() == reference.masters.keys(), layout
+        for name, master in reference.masters.items():
+            assert rel_err(got["masters"][name], master) <= TOL, (layout, name)
+            assert torch.equal(got["params"][name], got["masters"][name].to(torch.bfloat16)), \
+                (layout, name)
 
 
 def test_bf16_mixed_checkpoint_round_trip_resumes_exactly(tmp_path):
