@@ -257,3 +257,21 @@ def test_cli_disagreeing_flags_are_one_line_with_status_2(capfd):
     assert out.out == ""
     assert out.err == ("mxgraph: error: --dtype bfloat16 means --precision bf16, but --precision "
                        "bf16-mixed was given; drop --dtype (--precision replaces it)\n")
+
+
+def test_bf16_mixed_nonfinite_skip_equals_leaving_the_batches_out(tmp_path, monkeypatch):
+    """The non-finite guard under bf16-mixed (tests/test_health.py's drill): NaN written into
+    the (fp32 master) gradient of batches 2 and 3 with --on-nonfinite skip gives the run
+    that never trains on them, bitwise: bf16 parameters and fp32 masters."""
+    from tests.test_health import _drill, _same
+    plan = tmp_path / "mixed.toml"
+    plan.write_text('precision = "bf16-mixed"\n')
+    sizes = ",".join(f"{k}={v}" for k, v in SIZES.items())
+    reference = _drill(monkeypatch, drop="2,3", plan=str(plan), model_config=sizes)
+    skipped = _drill(monkeypatch, nan="2,3", on_nonfinite="skip", plan=str(plan),
+                     model_config=sizes)
+    assert skipped["skipped"] == 2
+    _same(skipped, reference)
+    for name, master in reference["optimized"].items():
+        assert master.dtype == torch.float32
+        assert torch.equal(skipped["optimized"][name], master), name
