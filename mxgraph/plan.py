@@ -165,9 +165,11 @@ class Plan:
     codegen: str = "python"
     """How each program (a stage's F, B and W pieces) runs: "python" (fx's Python code, one
     ATen call per line) or "inductor" (fused C++ loops on the CPU, Triton kernels on a GPU;
-    tens of seconds of compile per program). A program Inductor refuses, or one that calls
-    back into the executor (overlapped DP buckets, ZeRO-1, timing points, pausing waits),
-    runs as Python with a warning (an error under MXGRAPH_STRICT=1): codegen/inductor.py."""
+    tens of seconds of compile per program, once: Inductor's FX graph cache keeps it). A
+    program that calls back into the executor (overlapped DP buckets, ZeRO-1, timing points,
+    DualPipeV's pausing waits) is lowered in segments between the calls. A program Inductor
+    refuses (expert parallelism's, on torch 2.13) runs as Python with a warning (an error
+    under MXGRAPH_STRICT=1): codegen/inductor.py."""
     overlap: bool | OverlapOptions | None = None
     """Communication-compute overlap: None/False = off, True = `OverlapOptions()`, or an
     `OverlapOptions` (a dict, or an [overlap] table in TOML)."""

@@ -52,6 +52,21 @@ def test_inductor_codegen_matches_eager(monkeypatch, tmp_path):
         "inductor_stage0_F.py", "inductor_stage0_W.py"]
 
 
+def test_fused_ops_are_fused_into_inductor_loops_on_the_cpu(monkeypatch, tmp_path):
+    """fusion=True on the CPU: each fused op is traced as its reference
+    (`kernels.cpu_decompositions`), so Inductor's code calls none of them as an opaque
+    kernel, and the step still matches eager."""
+    monkeypatch.setenv("MXGRAPH_STRICT", "1")
+    step = _run(mx.Plan(codegen="inductor", fusion=True, dump_dir=str(tmp_path)))
+    fused = {n.target for ex in step.executors() for rt in ex.stages.values()
+             for _, p in rt.programs.all() for n in p.gm.graph.nodes
+             if str(n.target).startswith("mxgraph.")}
+    assert {"mxgraph.swiglu.default", "mxgraph.rmsnorm.default"} <= {str(t) for t in fused}
+    code = "".join(f.read_text() for f in tmp_path.glob("**/inductor_stage0_*.py"))
+    assert "aten." in code or "cpp_fused" in code
+    assert "torch.ops.mxgraph" not in code
+
+
 def test_a_program_inductor_refuses_runs_as_python_and_says_so(monkeypatch):
     import torch._inductor.compile_fx as compile_fx
 

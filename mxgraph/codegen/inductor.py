@@ -3,9 +3,11 @@
 A program's graph (a stage's F, B or W piece of its joint graph, already functional) is
 traced once more with Inductor's decomposition table (`make_fx` on the fake values its
 placeholders carry), so that every op is one Inductor lowers, and compiled by
-`compile_fx_inner`: C++/OpenMP loops on the CPU, Triton kernels on `cuda`. mxgraph's custom
-ops (fused kernels, the vocabulary-parallel loss) stay calls to their own implementations
-(Inductor's fallback kernels). Program inputs
+`compile_fx_inner`: C++/OpenMP loops on the CPU, Triton kernels on `cuda`. mxgraph's fused
+kernels stay calls to their Triton on `cuda` (Inductor's fallback kernels); on the CPU they
+are traced as their plain-torch references (`kernels.cpu_decompositions`), which Inductor
+fuses with their neighbours. Its other custom ops (the vocabulary-parallel loss, offload,
+expert counts) stay calls to their own implementations. Program inputs
 and outputs that are tuples (a multi-output op's value handed from F to B) are flattened
 for Inductor and rebuilt around it.
 
@@ -108,13 +110,17 @@ def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
+    table = select_decomp_table()
+    if all(v.device.type == "cpu" for v in leaves):  # fused ops: their references, fused
+        from mxgraph.codegen.kernels import cpu_decompositions
+        table = {**table, **cpu_decompositions()}
     fake_mode = detect_fake_mode(leaves)
     allowed = fake_mode is not None and fake_mode.allow_non_fake_inputs
     try:
         if fake_mode is not None:  # the graph's own constants are real tensors
             fake_mode.allow_non_fake_inputs = True
         with torch.no_grad():
-            traced = make_fx(flat, decomposition_table=select_decomp_table())(*leaves)
+            traced = make_fx(flat, decomposition_table=table)(*leaves)
             compiled = compile_fx_inner(traced, leaves)
     except Exception as error:  # noqa: BLE001 - reported by the caller, which falls back
         raise NotLowered(f"Inductor refused it: {type(error).__name__}: "
