@@ -20,7 +20,7 @@ from mxgraph.errors import PlanError
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "dualpipev")
 RECOMPUTE_KINDS = ("norm", "act", "attn", "mlp", "moe_light", "moe_medium", "moe_full", "full")
 OFFLOAD_KINDS = ("all", "attn", "mlp", "norm", "act", "moe")
-CODEGENS = ("python", "inductor")
+CODEGENS = ("auto", "python", "inductor")
 """`Plan.codegen` choices."""
 FUSION_KINDS = ("swiglu", "bias_gelu", "bias_dropout_add", "rope", "gqa", "rmsnorm",
                 "linear_cross_entropy", "moe_permute", "moe_router")
@@ -162,11 +162,14 @@ class Plan:
     """Backward nodes between the prefetch of an offloaded value and its first use."""
     fusion: bool | str = False
     """Flash Fusion: True = all fused kernels, False = none, or a comma list of names."""
-    codegen: str = "python"
+    codegen: str = "auto"
     """How each program (a stage's F, B and W pieces) runs: "python" (fx's Python code, one
-    ATen call per line) or "inductor" (fused C++ loops on the CPU, Triton kernels on a GPU;
-    tens of seconds of compile per program, once: Inductor's FX graph cache keeps it). A
-    program that calls back into the executor (overlapped DP buckets, ZeRO-1, timing points,
+    ATen call per line), "inductor" (fused C++ loops on the CPU, Triton kernels on a GPU;
+    tens of seconds of compile per program, once: Inductor's FX graph cache keeps it), or
+    "auto" (the default; `codegen_for`): Inductor on a GPU, Python on the CPU, where
+    Inductor's loops measured no faster than Python codegen's ATen calls on small models
+    (benchmarks/bench_compile.py) and its compile costs more than a short run. A program
+    that calls back into the executor (overlapped DP buckets, ZeRO-1, timing points,
     DualPipeV's pausing waits) is lowered in segments between the calls. A program Inductor
     refuses (expert parallelism's, on torch 2.13) runs as Python with a warning (an error
     under MXGRAPH_STRICT=1): codegen/inductor.py."""
@@ -258,6 +261,13 @@ class Plan:
             raise PlanError(f"ep={self.ep} does not divide dp = {dp} (expert-parallel ranks "
                             f"are data-parallel ranks); choose ep in {divisors(dp)}")
         return dp
+
+    def codegen_for(self, device_type: str) -> str:
+        """"python" or "inductor" for programs on a device of `device_type` ("cpu", "cuda",
+        ...): `codegen`, with "auto" Inductor on every device but the CPU."""
+        if self.codegen != "auto":
+            return self.codegen
+        return "python" if device_type == "cpu" else "inductor"
 
     def fusion_kinds(self) -> tuple[str, ...]:
         """The fused-kernel names this plan turns on."""

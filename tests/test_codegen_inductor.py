@@ -86,8 +86,16 @@ def test_a_program_inductor_refuses_runs_as_python_and_says_so(monkeypatch):
 
 
 def test_unknown_codegen_names_the_choices():
-    with pytest.raises(mx.PlanError, match="codegen: 'triton' is unknown; choose from python, inductor"):
+    with pytest.raises(mx.PlanError, match="codegen: 'triton' is unknown; choose from auto, python, inductor"):
         mx.Plan(codegen="triton")
+
+
+def test_auto_codegen_is_inductor_on_a_gpu_and_python_on_the_cpu():
+    assert mx.Plan().codegen == "auto"
+    assert [mx.Plan().codegen_for(d) for d in ("cuda", "cpu")] == ["inductor", "python"]
+    assert mx.Plan(codegen="inductor").codegen_for("cpu") == "inductor"
+    assert mx.Plan(codegen="python").codegen_for("cuda") == "python"
+    assert mx.Plan.from_dict({"codegen": "auto"}).codegen_for("cuda") == "inductor"
 
 
 def _tp2_sp_under_inductor(rank, world):
