@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,9 +265,15 @@ class Plan:
 
     def codegen_for(self, device_type: str) -> str:
         """"python" or "inductor" for programs on a device of `device_type` ("cpu", "cuda",
-        ...): `codegen`, with "auto" Inductor on every device but the CPU."""
+        ...): `codegen`, with "auto" Inductor on every device but the CPU, or what the
+        environment's MXGRAPH_CODEGEN ("python" or "inductor") says (to run a whole test
+        suite or a script under one codegen without changing its plans)."""
         if self.codegen != "auto":
             return self.codegen
+        chosen = os.environ.get("MXGRAPH_CODEGEN")
+        if chosen is not None:
+            _check_choice("MXGRAPH_CODEGEN", chosen, CODEGENS[1:])
+            return chosen
         return "python" if device_type == "cpu" else "inductor"
 
     def fusion_kinds(self) -> tuple[str, ...]:

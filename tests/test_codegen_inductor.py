@@ -98,6 +98,15 @@ def test_auto_codegen_is_inductor_on_a_gpu_and_python_on_the_cpu():
     assert mx.Plan.from_dict({"codegen": "auto"}).codegen_for("cuda") == "inductor"
 
 
+def test_the_environment_chooses_what_auto_means(monkeypatch):
+    monkeypatch.setenv("MXGRAPH_CODEGEN", "inductor")
+    assert mx.Plan().codegen_for("cpu") == "inductor"
+    assert mx.Plan(codegen="python").codegen_for("cpu") == "python"  # the plan's own word wins
+    monkeypatch.setenv("MXGRAPH_CODEGEN", "triton")
+    with pytest.raises(mx.PlanError, match="MXGRAPH_CODEGEN: 'triton' is unknown; choose from python, inductor"):
+        mx.Plan().codegen_for("cpu")
+
+
 def _tp2_sp_under_inductor(rank, world):
     from tests.test_pipeline_exec import check_plan
     check_plan(rank, world, "llama-tiny", dict(tp=2, sequence_parallel=True, codegen="inductor"),
