@@ -130,12 +130,11 @@ register_fused_kind(torch.ops.mxgraph.grouped_mm_wgrad.default, "matmul", backwa
 
 
 def cpu_decompositions() -> dict:
-    """Each fused op (those of `KERNELS` and the reference-only grouped GEMMs) -> the op's
-    own Python body. Traced on CPU values, that body is the plain-torch reference (the
-    Triton path is taken on ``cuda`` only), so Inductor, given this as decompositions for a
-    CPU program, fuses the reference into the neighbouring loops instead of calling the op
-    opaque. On ``cuda`` the ops stay extern kernels: their Triton."""
-    names = [name for name, *_ in _TABLE] + ["grouped_mm", "grouped_mm_wgrad"]
+    """Each fused op of `KERNELS` -> the op's own Python body. Traced on CPU values, that
+    body is the plain-torch reference (the Triton path is taken on ``cuda`` only), so
+    Inductor, given this as decompositions for a CPU program, fuses the reference into the
+    neighbouring loops instead of calling the op opaque. On ``cuda`` the ops stay extern
+    kernels: their Triton. The grouped GEMMs stay opaque everywhere: their reference loops
+    over the groups' row counts, data a trace cannot hold."""
     modules = {name: module for name, _, module, _ in _TABLE}
-    return {getattr(torch.ops.mxgraph, name).default:
-            getattr(modules.get(name, grouped_mm), name)._init_fn for name in names}
+    return {KERNELS[name].op: getattr(module, name)._init_fn for name, module in modules.items()}
