@@ -1,0 +1,201 @@
+"""Training metrics (mxgraph/metrics.py, mxgraph/flops.py): model FLOPs per token against a
+hand count (dense, preset MoE, Hugging Face Mixtral: active experts only), MFU, periodic
+validation that leaves training bitwise unchanged, the JSONL and TensorBoard records, and
+rank 0 alone writing under 2 data-parallel ranks."""
+import dataclasses
+import json
+import math
+import resource
+
+import pytest
+import torch
+
+import models
+from mxgraph.errors import UserError
+from mxgraph.flops import mfu, model_flops_per_token
+from mxgraph.hf import TINY
+from mxgraph.metrics import check_metrics_flags
+from mxgraph.train import TrainConfig, build_training_model, lr_at, train
+from tests.distributed import run_ranks
+
+FLOP_TOL = 1e-12
+"""Relative: the count is exact in integers; the per-token division and the straight line
+from two lengths round in float64."""
+HF_GPT2 = ("hf:gpt2", "vocab_size=256,n_embd=32,n_layer=2,n_head=2,n_inner=64,n_positions=64")
+"""A tiny GPT-2 with the family's default dropout (0.1 everywhere): the runs compared below
+draw random numbers every step, so a validation that moved the random state would show."""
+RUN = dict(model=HF_GPT2[0], model_config=HF_GPT2[1], steps=4, batch_size=2, seq_len=32,
+           warmup=2, val_batches=2)
+
+
+def tokens(n: int = 100) -> torch.Tensor:
+    return torch.arange(n) * 7 % 256
+
+
+# ---- FLOPs per token ----------------------------------------------------------------------
+def llama_count(c, seq_len: int) -> int:
+    """6 x the matmul parameters (q, k, v, o, the SwiGLU's three, the LM head; not the
+    embedding lookup) + 12 x layers x width x seq_len."""
+    kv = c.n_kv_heads * c.head_dim
+    per_layer = 2 * c.dim * c.dim + 2 * kv * c.dim + 3 * c.dim * c.ffn_dim
+    return 6 * (c.n_layers * per_layer + c.vocab_size * c.dim) + 12 * c.n_layers * c.dim * seq_len
+
+
+@pytest.mark.parametrize("seq_len", [12, 64])  # measured at 12; from 8 and 16 to 64
+def test_dense_flops_per_token_is_the_hand_count(seq_len):
+    config = dataclasses.replace(models.preset_config("llama-tiny"), n_layers=2, dim=64,
+                                 ffn_dim=128)
+    model = models.build_from_config(config)
+    flops, uncounted = model_flops_per_token(model, tokens(), seq_len)
+    assert uncounted == []
+    assert flops == pytest.approx(llama_count(config, seq_len), rel=FLOP_TOL)
+
+
+def test_moe_preset_flops_count_active_experts_only():
+    """moe-tiny (MLA attention, one dense layer, then routed top-2 of 8 experts + a shared
+    expert), both expert implementations: a token meets topk experts, not all 8."""
+    c = dataclasses.replace(models.preset_config("moe-tiny"), n_layers=2)
+    seq_len = 64
+    heads, qk = c.n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+    attention = (c.q_lora_rank * c.dim + heads * qk * c.q_lora_rank
+                 + (c.kv_lora_rank + c.qk_rope_head_dim) * c.dim
+                 + heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank
+                 + c.dim * heads * c.v_head_dim)
+    expert = 3 * c.dim * c.moe_ffn_dim
+    moe = c.n_routed_experts * c.dim + c.n_shared_experts * expert + c.topk * expert
+    dense = 3 * c.dim * c.ffn_dim
+    matmul_params = (c.n_layers * attention + c.n_dense_layers * dense
+                     + (c.n_layers - c.n_dense_layers) * moe + c.vocab_size * c.dim)
+    hand = 6 * matmul_params + 6 * c.n_layers * heads * seq_len * (qk + c.v_head_dim)
+    for impl in ("loop", "grouped_mm"):
+        model = models.build_from_config(dataclasses.replace(c, expert_impl=impl))
+        flops, uncounted = model_flops_per_token(model, tokens(), seq_len)
+        assert uncounted == [] and flops == pytest.approx(hand, rel=FLOP_TOL), impl
+
+
+def test_hf_mixtral_flops_count_active_experts_only():
+    """transformers' own Mixtral as `mxgraph train` builds it (its default grouped-GEMM
+    experts, a custom op in fp32: counted through the ops inside it)."""
+    overrides = TINY["mixtral"]
+    cfg = TrainConfig(model="hf:mixtral",
+                      model_config=",".join(f"{k}={v}" for k, v in overrides.items()))
+    model = build_training_model(cfg)
+    h, layers, seq_len = overrides["hidden_size"], overrides["num_hidden_layers"], 32
+    kv = overrides["num_key_value_heads"] * h // overrides["num_attention_heads"]
+    per_layer = (2 * h * h + 2 * kv * h + overrides["num_local_experts"] * h
+                 + overrides["num_experts_per_tok"] * 3 * h * overrides["intermediate_size"])
+    hand = 6 * (layers * per_layer + overrides["vocab_size"] * h) + 12 * layers * h * seq_len
+    flops, uncounted = model_flops_per_token(model, tokens(), seq_len)
+    assert uncounted == [] and flops == pytest.approx(hand, rel=FLOP_TOL)
+
+
+def test_mfu_is_model_flops_over_peak():
+    assert mfu(6e9, 1000.0, 1.2e13) == 6e9 * 1000.0 / 1.2e13
+    assert math.isnan(mfu(6e9, 1000.0, float("nan")))
+
+
+# ---- runs with and without periodic validation ----------------------------------------------
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(plain run, the same with --eval-every 2 --log-every 1 --log-dir, its log dir): compiled."""
+    log_dir = str(tmp_path_factory.mktemp("metrics"))
+    plain = train(TrainConfig(**RUN), progress=False)
+    logged = train(TrainConfig(**RUN, eval_every=2, log_every=1, log_dir=log_dir), progress=False)
+    return plain, logged, log_dir
+
+
+def read_records(log_dir: str) -> list[dict]:
+    with open(f"{log_dir}/metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def same_training(a: dict, b: dict) -> bool:
+    return a["train_loss"] == b["train_loss"] and a["parameters"].keys() == \
+        b["parameters"].keys() and all(torch.equal(a["parameters"][k], b["parameters"][k])
+                                       for k in a["parameters"])
+
+
+def test_validation_during_training_changes_nothing(runs):
+    plain, logged, log_dir = runs
+    assert same_training(plain, logged)
+    assert plain["val_loss"] == logged["val_loss"]
+    records = read_records(log_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [("val_loss" in r) for r in records] == [False, True, False, True]
+    assert records[-1]["val_loss"] == logged["val_loss"]  # the last step's = the final evaluate
+
+
+def test_records_hold_what_the_loop_computed(runs):
+    _, logged, log_dir = runs
+    records = read_records(log_dir)
+    with open(f"{log_dir}/run.json") as f:
+        run = json.load(f)
+    cfg = TrainConfig(**RUN)
+    assert records[-1]["loss"] == logged["train_loss"]
+    for r in records:
+        assert set(r) >= {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu",
+                          "memory_peak_bytes", "memory_kind"}
+        assert "dropped_fraction" not in r  # a dense model
+        assert r["lr"] == lr_at(r["step"] - 1, cfg)
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 and r["tokens_per_s"] > 0
+        assert r["mfu"] == pytest.approx(run["flops_per_token"] * r["tokens_per_s"] * run[
+            "data_parallel"] / (run["peak_flops_per_device"] * run["processes"]), rel=1e-12)
+        assert r["memory_kind"] == "process_peak_rss"
+        assert 0 < r["memory_peak_bytes"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert run["device_profile"] == "cpu" and run["flops_per_token"] > 0
+    assert logged["mfu"] == pytest.approx(run["flops_per_token"] * logged["tokens_per_s"] / run[
+        "peak_flops_per_device"], rel=1e-12)
+
+
+def test_tensorboard_holds_the_same_scalars(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    _, _, log_dir = runs
+    events = EventAccumulator(log_dir)
+    events.Reload()
+    records = read_records(log_dir)
+    names = {k for r in records for k, v in r.items() if k != "step" and not isinstance(v, str)}
+    assert set(events.Tags()["scalars"]) == names
+    for name in names:
+        logged = {r["step"]: r[name] for r in records if name in r}
+        read = {e.step: e.value for e in events.Scalars(name)}
+        assert read.keys() == logged.keys(), name
+        for step, value in logged.items():  # TensorBoard keeps float32
+            assert read[step] == pytest.approx(value, rel=1e-6), (name, step)
+
+
+def test_eager_validation_changes_nothing(tmp_path):
+    run = {**RUN, "steps": 3, "eager": True}
+    plain = train(TrainConfig(**run), progress=False)
+    logged = train(TrainConfig(**run, eval_every=1, log_dir=str(tmp_path), report_to="jsonl"),
+                   progress=False)
+    assert same_training(plain, logged)
+    records = read_records(str(tmp_path))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1]["val_loss"] == logged["val_loss"]
+
+
+def test_bad_flags_are_user_errors():
+    for flags, message in [({"eval_every": -1}, "--eval-every"), ({"log_every": 0}, "--log-every"),
+                           ({"log_dir": "x", "report_to": "wandb"}, "--report-to"),
+                           ({"device_profile": "tpu9"}, "tpu9")]:
+        with pytest.raises(UserError, match=message):
+            check_metrics_flags(TrainConfig(**flags))
+
+
+# ---- 2 ranks --------------------------------------------------------------------------------
+def _dp2(rank, world, tmp):
+    cfg = TrainConfig(**{**RUN, "steps": 2}, eval_every=2, log_every=1, log_dir=f"{tmp}/rank{rank}")
+    result = train(cfg, progress=False)
+    if rank == 0:
+        records = read_records(cfg.log_dir)
+        assert [r["step"] for r in records] == [1, 2]
+        assert records[-1]["val_loss"] == result["val_loss"]
+        with open(f"{cfg.log_dir}/run.json") as f:
+            assert json.load(f)["data_parallel"] == 2
+
+
+@pytest.mark.slow
+def test_dp2_only_rank_0_writes(tmp_path):
+    run_ranks(2, _dp2, str(tmp_path))
+    assert (tmp_path / "rank0" / "metrics.jsonl").exists()
+    assert not (tmp_path / "rank1").exists()
