@@ -48,7 +48,7 @@ RECORD_FIELDS = {
     "grad_norm": "its gradient norm over the whole model, before clipping",
     "tokens_per_s": "tokens per second of one data-parallel rank since the previous record, "
                     "validation time left out",
-    "mfu": "model FLOPs utilisation over the same time (NaN without a device profile)",
+    "mfu": "model FLOPs utilisation over the same time (null without a device profile)",
     "memory_peak_bytes": "peak memory of this process so far, bytes (see memory_kind)",
     "memory_kind": "cuda_max_memory_allocated (torch.cuda.max_memory_allocated) or "
                    "process_peak_rss (the process's peak resident set, on the CPU)",
@@ -140,12 +140,18 @@ class MetricsWriter:
             json.dump(run, f, indent=1)
 
     def write(self, record: dict) -> None:
+        """One record: a JSON line (a value that is not a finite number as null), and each
+        number but the step as a TensorBoard scalar at that step."""
+        numbers = {name: value for name, value in record.items()
+                   if isinstance(value, (int, float)) and math.isfinite(value)}
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(record) + "\n")
+            line = {name: numbers.get(name, value if isinstance(value, str) else None)
+                    for name, value in record.items()}
+            self.jsonl.write(json.dumps(line) + "\n")
             self.jsonl.flush()
         if self.tensorboard is not None:
-            for name, value in record.items():
-                if name != "step" and isinstance(value, (int, float)):
+            for name, value in numbers.items():
+                if name != "step":
                     self.tensorboard.add_scalar(name, value, record["step"])
             self.tensorboard.flush()
 

@@ -6,11 +6,13 @@ import dataclasses
 import json
 import math
 import resource
+import sys
 
 import pytest
 import torch
 
 import models
+from mxgraph.cli import main as cli_main
 from mxgraph.errors import UserError
 from mxgraph.flops import mfu, model_flops_per_token
 from mxgraph.hf import TINY
@@ -21,7 +23,8 @@ from tests.distributed import run_ranks
 FLOP_TOL = 1e-12
 """Relative: the count is exact in integers; the per-token division and the straight line
 from two lengths round in float64."""
-HF_GPT2 = ("hf:gpt2", "vocab_size=256,n_embd=32,n_layer=2,n_head=2,n_inner=64,n_positions=64")
+HF_GPT2 = ("hf:gpt2", "vocab_size=256,n_embd=32,n_layer=1,n_head=2,n_inner=64,n_positions=64,"
+           "bos_token_id=0,eos_token_id=0")
 """A tiny GPT-2 with the family's default dropout (0.1 everywhere): the runs compared below
 draw random numbers every step, so a validation that moved the random state would show."""
 RUN = dict(model=HF_GPT2[0], model_config=HF_GPT2[1], steps=4, batch_size=2, seq_len=32,
@@ -164,38 +167,57 @@ def test_tensorboard_holds_the_same_scalars(runs):
 
 
 def test_eager_validation_changes_nothing(tmp_path):
-    run = {**RUN, "steps": 3, "eager": True}
+    run = {**RUN, "steps": 2, "eager": True}
     plain = train(TrainConfig(**run), progress=False)
     logged = train(TrainConfig(**run, eval_every=1, log_dir=str(tmp_path), report_to="jsonl"),
                    progress=False)
     assert same_training(plain, logged)
     records = read_records(str(tmp_path))
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == [1, 2]
     assert records[-1]["val_loss"] == logged["val_loss"]
 
 
-def test_bad_flags_are_user_errors():
+def test_bad_flags_are_user_errors(monkeypatch, capsys, tmp_path):
     for flags, message in [({"eval_every": -1}, "--eval-every"), ({"log_every": 0}, "--log-every"),
                            ({"log_dir": "x", "report_to": "wandb"}, "--report-to"),
                            ({"device_profile": "tpu9"}, "tpu9")]:
         with pytest.raises(UserError, match=message):
             check_metrics_flags(TrainConfig(**flags))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # not installed
+    with pytest.raises(UserError, match=r"pip install mxgraph\[metrics\].*--report-to jsonl"):
+        check_metrics_flags(TrainConfig(log_dir="x"))
+    check_metrics_flags(TrainConfig(log_dir="x", report_to="jsonl"))  # asks for no TensorBoard
+    assert cli_main(["train", "--log-dir", str(tmp_path / "m"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mxgraph: error: --log-dir") and len(err.splitlines()) == 1
+    assert not (tmp_path / "m").exists()  # nothing built, nothing written
 
 
 # ---- 2 ranks --------------------------------------------------------------------------------
-def _dp2(rank, world, tmp):
-    cfg = TrainConfig(**{**RUN, "steps": 2}, eval_every=2, log_every=1, log_dir=f"{tmp}/rank{rank}")
-    result = train(cfg, progress=False)
-    if rank == 0:
+def _two_ranks(rank, world, tmp):
+    """dp2 (the default plan on 2 processes), then pp2 (the loss lives on the last stage,
+    rank 1; rank 0 writes what the pipeline broadcasts)."""
+    base = dict(model="llama-tiny", model_config="n_layers=2,dim=64,ffn_dim=128", steps=2,
+                batch_size=2, seq_len=32, warmup=1, val_batches=2, eval_every=1)
+    with open(f"{tmp}/pp2.toml", "w") as f:
+        f.write("pp = 2\nmicro_batches = 2\n")
+    for name, plan, dp in (("dp2", None, 2), ("pp2", f"{tmp}/pp2.toml", 1)):
+        cfg = TrainConfig(**base, plan=plan, log_dir=f"{tmp}/{name}-rank{rank}", log_every=1)
+        result = train(cfg, progress=False)
+        if rank != 0:
+            continue
         records = read_records(cfg.log_dir)
-        assert [r["step"] for r in records] == [1, 2]
-        assert records[-1]["val_loss"] == result["val_loss"]
+        assert [r["step"] for r in records] == [1, 2], name
+        assert records[-1]["loss"] == result["train_loss"], name
+        assert records[-1]["val_loss"] == result["val_loss"], name
         with open(f"{cfg.log_dir}/run.json") as f:
-            assert json.load(f)["data_parallel"] == 2
+            run = json.load(f)
+        assert (run["data_parallel"], run["processes"]) == (dp, 2), name
 
 
 @pytest.mark.slow
-def test_dp2_only_rank_0_writes(tmp_path):
-    run_ranks(2, _dp2, str(tmp_path))
-    assert (tmp_path / "rank0" / "metrics.jsonl").exists()
-    assert not (tmp_path / "rank1").exists()
+def test_two_ranks_only_rank_0_writes(tmp_path):
+    run_ranks(2, _two_ranks, str(tmp_path))
+    for name in ("dp2", "pp2"):
+        assert (tmp_path / f"{name}-rank0" / "metrics.jsonl").exists()
+        assert not (tmp_path / f"{name}-rank1").exists()
