@@ -31,11 +31,13 @@ import sys
 import time
 from typing import Callable
 
+import numpy as np
 import torch
+import torch.distributed as dist
 
 from mxgraph.errors import UserError
-from mxgraph.flops import mfu, preserved_rng
-from mxgraph.runtime.cluster.device import DeviceInfo
+from mxgraph.flops import mfu, model_flops_per_token, preserved_rng
+from mxgraph.runtime.cluster.device import DeviceInfo, detect
 
 log = logging.getLogger("mxgraph.train")
 
@@ -187,6 +189,25 @@ class RunMetrics:
                                         append=start_step > 0)
         self._mark = (time.perf_counter(), 0, 0.0)  # (time, iterations, eval seconds)
 
+    @classmethod
+    def for_run(cls, cfg, step_fn, flops_per_token: float, moe: str | None, rank: int,
+                start_step: int, evaluate: Callable[[], float]) -> RunMetrics:
+        """The metrics of `train`'s run of `step_fn` (a compiled step, or the model itself
+        under --eager: one process, one data-parallel rank): MFU over the run's processes,
+        validation by `evaluate`."""
+        if cfg.eager:
+            device, dp, processes = next(step_fn.parameters()).device, 1, 1
+        else:
+            device, dp = step_fn.mesh.device, step_fn.mesh.sizes["dp"]
+            processes = dist.get_world_size() if dist.is_initialized() else 1
+        info = detect(device)
+        peak = device_peak(cfg.device_profile, info)
+        if peak[0] is None and rank == 0:
+            log.warning("no device profile for %s: MFU is not computed; name one with "
+                        "--device-profile (a built-in or a TOML device file)", info.name)
+        return cls(cfg, flops_per_token=flops_per_token, peak=peak, dp=dp, processes=processes,
+                   device=device, moe=moe, rank=rank, evaluate=evaluate, start_step=start_step)
+
     def mfu(self, tokens_per_s: float) -> float:
         """MFU of `tokens_per_s` per data-parallel rank over all processes."""
         return mfu(self.flops_per_token, tokens_per_s * self.dp, self.peak_flops * self.processes)
@@ -232,6 +253,17 @@ class RunMetrics:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def count_flops(model: torch.nn.Module, train_tokens: np.ndarray, seq_len: int) -> float:
+    """Model FLOPs per token of `model` at `seq_len` (`flops.model_flops_per_token`, on the
+    first training tokens); a warning names the ops it could not count."""
+    sample = torch.from_numpy(train_tokens[:seq_len + 1].astype(np.int64))
+    flops, uncounted = model_flops_per_token(model, sample, seq_len)
+    if uncounted:
+        log.warning("MFU leaves out the FLOPs of %s (no FLOP rule in mxgraph/flops.py)",
+                    ", ".join(uncounted))
+    return flops
 
 
 def moe_kind(model: torch.nn.Module, capacity_factor: float | None) -> str | None:

@@ -18,9 +18,8 @@ from tqdm import tqdm
 import mxgraph
 from mxgraph.data import Batches, load_tokens, split
 from mxgraph.errors import DataError, UserError
-from mxgraph.flops import model_flops_per_token
 from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
-from mxgraph.metrics import RunMetrics, check_metrics_flags, device_peak, moe_kind
+from mxgraph.metrics import RunMetrics, check_metrics_flags, count_flops, moe_kind
 from mxgraph.plan import Plan
 from mxgraph.runtime.checkpoint.flash import FlashCheckpointer
 from mxgraph.runtime.cluster.device import detect
@@ -188,10 +187,11 @@ def build_training_model(cfg: TrainConfig) -> torch.nn.Module:
 
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     """Train; returns {"train_loss" (the last applied step's), "val_loss", "tokens_per_s"
-    (of one data-parallel rank, periodic validation left out), "mfu" (`metrics.RunMetrics.mfu`;
-    NaN without a device profile), "seconds", "start_step", "skipped" and "rollbacks" (steps the non-finite policy did
-    not apply), "parameters" (name -> this rank's tensor after the run: its shards, its
-    stages)}. Raises NonFiniteError when the policy stops the run."""
+    (of one data-parallel rank, periodic validation left out), "mfu"
+    (`metrics.RunMetrics.mfu`; NaN without a device profile), "seconds", "start_step",
+    "skipped" and "rollbacks" (steps the non-finite policy did not apply), "parameters"
+    (name -> this rank's tensor after the run: its shards, its stages)}. Raises
+    NonFiniteError when the policy stops the run."""
     started = time.perf_counter()
     guard = nonfinite_guard(cfg)
     check_metrics_flags(cfg)
@@ -208,7 +208,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
                         f"vocab_size={vocab}; choose a model with a larger vocabulary or "
                         f"set --model-config vocab_size={int(tokens.max()) + 1}")
     train_tokens, val_tokens = split(tokens)
-    flops_per_token = count_flops(model, train_tokens, cfg)  # the whole model, before compile
+    flops_per_token = count_flops(model, train_tokens, cfg.seq_len)  # whole model, uncompiled
     moe = moe_kind(model, None if cfg.eager else plan.moe.capacity_factor)
     step_fn = model if cfg.eager else mxgraph.compile(model, plan)
     dp_rank = 0 if cfg.eager else step_fn.mesh.coords["dp"]
@@ -238,7 +238,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             raise
     if cfg.save_every and start_step == 0:  # the initial state: what a NaN before the
         checkpoints.save(0, {}, background=False)  # first save rolls back (or resumes) to
-    metrics = run_metrics(cfg, step_fn, flops_per_token, moe, val_tokens, rank, start_step)
+    metrics = RunMetrics.for_run(cfg, step_fn, flops_per_token, moe, rank, start_step,
+                                 evaluate=lambda: evaluate(step_fn, val_tokens, cfg))
     loop = _Loop(cfg, step_fn, optimizer, batches, guard, monitor, checkpoints, rank, metrics)
     try:
         loop.run(start_step, progress)
@@ -262,34 +263,6 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             "tokens_per_s": tokens_per_s, "mfu": metrics.mfu(tokens_per_s),
             "start_step": start_step, "skipped": loop.count("skip"),
             "rollbacks": loop.count("rollback"), "parameters": dict(held)}
-
-
-def count_flops(model: torch.nn.Module, train_tokens: np.ndarray, cfg: TrainConfig) -> float:
-    """Model FLOPs per token of `model` at `cfg.seq_len` (`flops.model_flops_per_token`, on
-    the first training tokens); a warning names the ops it could not count."""
-    sample = torch.from_numpy(train_tokens[:cfg.seq_len + 1].astype(np.int64))
-    flops, uncounted = model_flops_per_token(model, sample, cfg.seq_len)
-    if uncounted:
-        log.warning("MFU leaves out the FLOPs of %s (no FLOP rule in mxgraph/flops.py)",
-                    ", ".join(uncounted))
-    return flops
-
-
-def run_metrics(cfg: TrainConfig, step_fn, flops_per_token: float, moe: str | None,
-                val_tokens: np.ndarray, rank: int, start_step: int) -> RunMetrics:
-    """The loop's `RunMetrics`: MFU over this run's devices, validation by `evaluate`."""
-    if cfg.eager:
-        device, dp, processes = next(step_fn.parameters()).device, 1, 1
-    else:
-        device, dp = step_fn.mesh.device, step_fn.mesh.sizes["dp"]
-        processes = dist.get_world_size() if dist.is_initialized() else 1
-    peak = device_peak(cfg.device_profile, detect(device))
-    if peak[0] is None and rank == 0:
-        log.warning("no device profile for %s: MFU is not computed; name one with "
-                    "--device-profile (a built-in or a TOML device file)", detect(device).name)
-    return RunMetrics(cfg, flops_per_token=flops_per_token, peak=peak, dp=dp,
-                      processes=processes, device=device, moe=moe, rank=rank,
-                      evaluate=lambda: evaluate(step_fn, val_tokens, cfg), start_step=start_step)
 
 
 def nonfinite_guard(cfg: TrainConfig) -> Guard:

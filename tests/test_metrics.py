@@ -16,7 +16,8 @@ from mxgraph.cli import main as cli_main
 from mxgraph.errors import UserError
 from mxgraph.flops import mfu, model_flops_per_token
 from mxgraph.hf import TINY
-from mxgraph.metrics import check_metrics_flags
+from mxgraph.metrics import RunMetrics, check_metrics_flags
+from mxgraph.runtime.health import Verdict
 from mxgraph.train import TrainConfig, build_training_model, lr_at, train
 from tests.distributed import run_ranks
 
@@ -177,6 +178,24 @@ def test_eager_validation_changes_nothing(tmp_path):
     assert records[-1]["val_loss"] == logged["val_loss"]
 
 
+def test_moe_records_the_dropped_fraction(tmp_path):
+    """moe-tiny (2 layers, top-2 of 8 experts) drops nothing without a capacity: 0.0 in
+    every record; under the plan's moe.capacity_factor a record holds the mean over the
+    MoE blocks of what the step recorded (`Step.moe_stats()["dropped"]`, tested in
+    tests/test_moe_capacity.py)."""
+    base = dict(model="moe-tiny", model_config="n_layers=2", steps=2, batch_size=2, seq_len=32,
+                warmup=1, val_batches=1, log_every=1, eager=True)
+    train(TrainConfig(**base, log_dir=str(tmp_path), report_to="jsonl"), progress=False)
+    assert [r["dropped_fraction"] for r in read_records(str(tmp_path))] == [0.0, 0.0]
+    metrics = RunMetrics(TrainConfig(**base), flops_per_token=1.0, peak=("cpu", 1.0), dp=1,
+                         processes=1, device=torch.device("cpu"), moe="capacity",
+                         evaluate=lambda: math.nan, rank=1, start_step=0)
+    verdict = Verdict(action="update", step=0, loss=1.0, grad_norm=1.0)
+    dropped = {"layers.1.mlp.experts": 0.5, "layers.2.mlp.experts": 0.25}
+    record = metrics.train_record(1, verdict, 1, 1e-3, lambda: dropped)
+    assert record["dropped_fraction"] == (0.5 + 0.25) / 2
+
+
 def test_bad_flags_are_user_errors(monkeypatch, capsys, tmp_path):
     for flags, message in [({"eval_every": -1}, "--eval-every"), ({"log_every": 0}, "--log-every"),
                            ({"log_dir": "x", "report_to": "wandb"}, "--report-to"),
@@ -202,7 +221,8 @@ def _two_ranks(rank, world, tmp):
     with open(f"{tmp}/pp2.toml", "w") as f:
         f.write("pp = 2\nmicro_batches = 2\n")
     for name, plan, dp in (("dp2", None, 2), ("pp2", f"{tmp}/pp2.toml", 1)):
-        cfg = TrainConfig(**base, plan=plan, log_dir=f"{tmp}/{name}-rank{rank}", log_every=1)
+        cfg = TrainConfig(**base, plan=plan, log_dir=f"{tmp}/{name}-rank{rank}", log_every=1,
+                          report_to="jsonl")
         result = train(cfg, progress=False)
         if rank != 0:
             continue
