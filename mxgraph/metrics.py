@@ -96,9 +96,24 @@ def check_metrics_flags(cfg) -> None:
         raise UserError(f"--log-every {cfg.log_every} must be 1 or more (steps)")
     if cfg.log_dir:
         report_destinations(cfg.report_to)
+        if int(os.environ.get("RANK", "0")) == 0:  # the one that writes
+            check_log_dir(cfg.log_dir)
     if cfg.device_profile:
         from mxgraph.search.profiles import load_device
         load_device(cfg.device_profile)
+
+
+def check_log_dir(path: str) -> None:
+    """UserError unless `path` is (or can be made) a directory this process can write."""
+    probe = os.path.join(path, f".mxgraph-write-test-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.unlink(probe)
+    except OSError as error:
+        raise UserError(f"--log-dir {path} is not a writable directory ({error.strerror or error}); "
+                        f"choose a directory you can write") from None
 
 
 def device_peak(profile: str | None, info: DeviceInfo) -> tuple[str | None, float]:

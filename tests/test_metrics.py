@@ -199,13 +199,14 @@ def test_moe_records_the_dropped_fraction(tmp_path):
 def test_bad_flags_are_user_errors(monkeypatch, capsys, tmp_path):
     for flags, message in [({"eval_every": -1}, "--eval-every"), ({"log_every": 0}, "--log-every"),
                            ({"log_dir": "x", "report_to": "wandb"}, "--report-to"),
-                           ({"device_profile": "tpu9"}, "tpu9")]:
+                           ({"device_profile": "tpu9"}, "tpu9"),
+                           ({"log_dir": "/proc/no-such-dir", "report_to": "jsonl"}, "writable")]:
         with pytest.raises(UserError, match=message):
             check_metrics_flags(TrainConfig(**flags))
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # not installed
     with pytest.raises(UserError, match=r"pip install mxgraph\[metrics\].*--report-to jsonl"):
-        check_metrics_flags(TrainConfig(log_dir="x"))
-    check_metrics_flags(TrainConfig(log_dir="x", report_to="jsonl"))  # asks for no TensorBoard
+        check_metrics_flags(TrainConfig(log_dir=str(tmp_path / "x")))
+    check_metrics_flags(TrainConfig(log_dir=str(tmp_path / "j"), report_to="jsonl"))  # no TensorBoard
     assert cli_main(["train", "--log-dir", str(tmp_path / "m"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mxgraph: error: --log-dir") and len(err.splitlines()) == 1
