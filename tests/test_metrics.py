@@ -101,11 +101,22 @@ def test_mfu_is_model_flops_over_peak():
 # ---- runs with and without periodic validation ----------------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(plain run, the same with --eval-every 2 --log-every 1 --log-dir, its log dir): compiled."""
+    """(plain run, the same with --eval-every 2 --log-every 1 --log-dir, its log dir, the
+    plain run without the FLOP count): compiled."""
     log_dir = str(tmp_path_factory.mktemp("metrics"))
     plain = train(TrainConfig(**RUN), progress=False)
     logged = train(TrainConfig(**RUN, eval_every=2, log_every=1, log_dir=log_dir), progress=False)
-    return plain, logged, log_dir
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("mxgraph.train.count_flops", lambda *args: 1.0)
+        uncounted = train(TrainConfig(**RUN), progress=False)
+    return plain, logged, log_dir, uncounted
+
+
+def test_the_flop_count_changes_nothing(runs):
+    """The counted forward (eval mode, no gradients, random state put back) before the
+    compile leaves the training as without it."""
+    plain, _, _, uncounted = runs
+    assert same_training(plain, uncounted) and plain["val_loss"] == uncounted["val_loss"]
 
 
 def read_records(log_dir: str) -> list[dict]:
@@ -120,7 +131,7 @@ def same_training(a: dict, b: dict) -> bool:
 
 
 def test_validation_during_training_changes_nothing(runs):
-    plain, logged, log_dir = runs
+    plain, logged, log_dir, _ = runs
     assert same_training(plain, logged)
     assert plain["val_loss"] == logged["val_loss"]
     records = read_records(log_dir)
@@ -130,7 +141,7 @@ def test_validation_during_training_changes_nothing(runs):
 
 
 def test_records_hold_what_the_loop_computed(runs):
-    _, logged, log_dir = runs
+    _, logged, log_dir, _ = runs
     records = read_records(log_dir)
     with open(f"{log_dir}/run.json") as f:
         run = json.load(f)
@@ -153,7 +164,7 @@ def test_records_hold_what_the_loop_computed(runs):
 
 def test_tensorboard_holds_the_same_scalars(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    _, _, log_dir = runs
+    _, _, log_dir, _ = runs
     events = EventAccumulator(log_dir)
     events.Reload()
     records = read_records(log_dir)
