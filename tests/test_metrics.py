@@ -227,7 +227,8 @@ def test_bad_flags_are_user_errors(monkeypatch, capsys, tmp_path):
 # ---- 2 ranks --------------------------------------------------------------------------------
 def _two_ranks(rank, world, tmp):
     """dp2 (the default plan on 2 processes), then pp2 (the loss lives on the last stage,
-    rank 1; rank 0 writes what the pipeline broadcasts)."""
+    rank 1; rank 0 writes what the pipeline broadcasts; each rank's stage trains bitwise as
+    without the validations)."""
     base = dict(model="llama-tiny", model_config="n_layers=2,dim=64,ffn_dim=128", steps=2,
                 batch_size=2, seq_len=32, warmup=1, val_batches=2, eval_every=1)
     with open(f"{tmp}/pp2.toml", "w") as f:
@@ -245,6 +246,8 @@ def _two_ranks(rank, world, tmp):
         with open(f"{cfg.log_dir}/run.json") as f:
             run = json.load(f)
         assert (run["data_parallel"], run["processes"]) == (dp, 2), name
+    plain = TrainConfig(**{**base, "eval_every": 0}, plan=f"{tmp}/pp2.toml")
+    assert same_training(train(plain, progress=False), result)  # result: pp2's, this rank's
 
 
 @pytest.mark.slow
