@@ -129,6 +129,8 @@ def check_train_inputs(args) -> None:
         raise UserError(f"--max-restarts {args.max_restarts} must be 0 or more")
     from mxgraph.train import nonfinite_guard
     nonfinite_guard(args)  # a UserError for a bad policy or limit
+    from mxgraph.metrics import check_metrics_flags
+    check_metrics_flags(args)  # --eval-every, --log-every, --report-to, --device-profile
     if args.max_restarts and not args.save_every:
         print("mxgraph: warning: --max-restarts without --save-every N: a restart starts "
               "again at step 0", file=sys.stderr)
@@ -164,6 +166,7 @@ def _train(args) -> int:
     check_train_inputs(args)
     if args.nproc > 1 or args.max_restarts > 0 or args.rdzv_endpoint:
         return _launch(args)
+    from mxgraph.metrics import format_mfu
     from mxgraph.runtime.cluster.launch import close_process_group
     from mxgraph.runtime.health import NonFiniteError
     from mxgraph.train import log_to_console, train
@@ -184,7 +187,7 @@ def _train(args) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"train loss {result['train_loss']:.4f} | validation loss "
               f"{result['val_loss']:.4f} nats/token | {result['tokens_per_s']:,.0f} tokens/s | "
-              f"{result['seconds']:.1f} s")
+              f"{format_mfu(result['mfu'])} | {result['seconds']:.1f} s")
         if args.profile:
             print(f"profiler traces (one per rank): {args.profile}/rank*.json; read them with "
                   f"mxgraph inspect --overlap {args.profile}")

@@ -19,6 +19,7 @@ import mxgraph
 from mxgraph.data import Batches, load_tokens, split
 from mxgraph.errors import DataError, UserError
 from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
+from mxgraph.metrics import RunMetrics, check_metrics_flags, count_flops, moe_kind
 from mxgraph.plan import Plan
 from mxgraph.runtime.checkpoint.flash import FlashCheckpointer
 from mxgraph.runtime.cluster.device import detect
@@ -106,6 +107,27 @@ class TrainConfig:
     monitor_json: str = "runs/slow_nodes.jsonl"
     """Where rank 0 appends each finding as a JSON line (step, rank, host, section, kind,
     value_ms, reference_ms, slowdown against the median of ranks)."""
+    eval_every: int = 0
+    """Validation every N applied steps too (0 = only at the end): the mean loss over
+    --val-batches fixed batches, logged and written to --log-dir as val_loss. Training is
+    unchanged by it (own batches, no gradients, the random state put back)."""
+    log_dir: str | None = None
+    """Directory for metrics, written by rank 0: metrics.jsonl (one JSON object per logged
+    step: step, loss, lr, grad_norm, tokens_per_s, mfu, memory_peak_bytes and memory_kind,
+    dropped_fraction for MoE models, val_loss on --eval-every steps), run.json (model FLOPs
+    per token, the peak FLOP/s MFU divides by) and TensorBoard scalars of the same names
+    (see --report-to; mxgraph/metrics.py)."""
+    log_every: int = 10
+    """Steps between --log-dir records (an --eval-every step gets one too)."""
+    report_to: str = "jsonl,tensorboard"
+    """What --log-dir holds, comma-separated (as Hugging Face Trainer's report_to): jsonl
+    (metrics.jsonl), tensorboard (event files; needs pip install mxgraph[metrics])."""
+    device_profile: str | None = None
+    """Device profile whose peak_flops MFU divides by: a built-in name (a100-80gb, h100-sxm,
+    h800, metax-c500, cpu) or a TOML device file (as mxgraph search --device); default: the
+    profile of this device's name (cpu on the CPU). MFU = model FLOPs per token (6 x the
+    parameters of a token's matmuls, active experts only, + 12 x layers x width x seq_len)
+    x tokens/s of all data-parallel ranks / (peak_flops x processes)."""
 
 
 class _ConsoleHandler(logging.Handler):
@@ -164,12 +186,15 @@ def build_training_model(cfg: TrainConfig) -> torch.nn.Module:
 
 
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
-    """Train; returns {"train_loss" (the last applied step's), "val_loss", "tokens_per_s",
-    "seconds", "start_step", "skipped" and "rollbacks" (steps the non-finite policy did
-    not apply), "parameters" (name -> this rank's tensor after the run: its shards, its
-    stages)}. Raises NonFiniteError when the policy stops the run."""
+    """Train; returns {"train_loss" (the last applied step's), "val_loss", "tokens_per_s"
+    (of one data-parallel rank, periodic validation left out), "mfu"
+    (`metrics.RunMetrics.mfu`; NaN without a device profile), "seconds", "start_step",
+    "skipped" and "rollbacks" (steps the non-finite policy did not apply), "parameters"
+    (name -> this rank's tensor after the run: its shards, its stages)}. Raises
+    NonFiniteError when the policy stops the run."""
     started = time.perf_counter()
     guard = nonfinite_guard(cfg)
+    check_metrics_flags(cfg)
     if cfg.save_every or cfg.resume:
         check_checkpoint_dir(cfg.checkpoint_dir)
     rank = _init_distributed()
@@ -183,6 +208,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
                         f"vocab_size={vocab}; choose a model with a larger vocabulary or "
                         f"set --model-config vocab_size={int(tokens.max()) + 1}")
     train_tokens, val_tokens = split(tokens)
+    flops_per_token = count_flops(model, train_tokens, cfg.seq_len)  # whole model, uncompiled
+    moe = moe_kind(model, None if cfg.eager else plan.moe.capacity_factor)
     step_fn = model if cfg.eager else mxgraph.compile(model, plan)
     dp_rank = 0 if cfg.eager else step_fn.mesh.coords["dp"]
     batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed + dp_rank)
@@ -211,7 +238,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             raise
     if cfg.save_every and start_step == 0:  # the initial state: what a NaN before the
         checkpoints.save(0, {}, background=False)  # first save rolls back (or resumes) to
-    loop = _Loop(cfg, step_fn, optimizer, batches, guard, monitor, checkpoints, rank)
+    metrics = RunMetrics.for_run(cfg, step_fn, flops_per_token, moe, rank, start_step,
+                                 evaluate=lambda: evaluate(step_fn, val_tokens, cfg))
+    loop = _Loop(cfg, step_fn, optimizer, batches, guard, monitor, checkpoints, rank, metrics)
     try:
         loop.run(start_step, progress)
     except NonFiniteError as error:
@@ -220,14 +249,18 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             checkpoints.checkpointer.close()
             where = checkpoints.last_good()
         raise NonFiniteError(f"{error}; {where}") from None
+    finally:
+        metrics.close()
     if checkpoints is not None:
         checkpoints.checkpointer.close()
     if not cfg.eager:
         step_fn.sync_parameters()  # zero1: the last update is still in the shards
     val_loss = evaluate(step_fn, val_tokens, cfg)
     held = model.named_parameters() if cfg.eager else step_fn.model_parameters()
+    tokens_per_s = max(1, loop.iterations) * cfg.batch_size * cfg.seq_len / max(
+        1e-9, loop.seconds - metrics.eval_seconds)  # periodic validation left out
     return {"train_loss": loop.loss, "val_loss": val_loss, "seconds": loop.seconds,
-            "tokens_per_s": max(1, loop.iterations) * cfg.batch_size * cfg.seq_len / loop.seconds,
+            "tokens_per_s": tokens_per_s, "mfu": metrics.mfu(tokens_per_s),
             "start_step": start_step, "skipped": loop.count("skip"),
             "rollbacks": loop.count("rollback"), "parameters": dict(held)}
 
@@ -247,9 +280,12 @@ class _Loop:
     non-finite policy skips or rolls back on the way."""
 
     def __init__(self, cfg: TrainConfig, step_fn, optimizer, batches: Batches, guard: Guard,
-                 monitor: StepMonitor, checkpoints: RunCheckpoints | None, rank: int):
+                 monitor: StepMonitor, checkpoints: RunCheckpoints | None, rank: int,
+                 metrics: RunMetrics):
         self.cfg, self.step_fn, self.optimizer, self.batches = cfg, step_fn, optimizer, batches
         self.monitor, self.checkpoints, self.rank = monitor, checkpoints, rank
+        self.metrics = metrics
+        """--log-dir records and --eval-every validation, after an applied step."""
         self.eager = isinstance(step_fn, torch.nn.Module)
         self.guard = guard
         """The policy (a compiled step holds it too: `Step.check_health`)."""
@@ -286,6 +322,8 @@ class _Loop:
                 self.loss = verdict.loss
                 bar.update(1)
                 bar.set_postfix(self.postfix(time.perf_counter() - start))
+                self.metrics.after_update(update, verdict, self.iterations, lr_at(update - 1, cfg),
+                                          lambda: self.step_fn.moe_stats()["dropped"])
                 if cfg.save_every and update % cfg.save_every == 0:
                     self.save(update, verdict)
             if profiler is not None:
