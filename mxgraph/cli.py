@@ -135,8 +135,8 @@ def check_train_inputs(args) -> None:
     # last (it may read all the data): outside torchrun's workers the token file is made
     # here, before any worker starts
     check_training_data(args.data, args.tokenizer, args.data_field, args.model,
-                        lambda: model_vocab_size(args), prepare="LOCAL_RANK" not in os.environ,
-                        progress=not args.no_progress)
+                        lambda: model_vocab_size(args), args.batch_size, args.seq_len,
+                        prepare="LOCAL_RANK" not in os.environ, progress=not args.no_progress)
 
 
 def check_model(args) -> None:

@@ -137,9 +137,11 @@ def ensure_token_file(data: str, tokenizer_dir: str, field: str = "text", *,
                         f"the data to a directory you can write") from None
     with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # released when closed, also by a killed process
-        if not path.is_file():
-            write_token_file(path, data, kind, field, tokenizer, progress=progress)
-            lock.unlink(missing_ok=True)  # a waiter on it finds the token file made
+        try:
+            if not path.is_file():
+                write_token_file(path, data, kind, field, tokenizer, progress=progress)
+        finally:  # a process waiting on it then finds the token file (or makes it)
+            lock.unlink(missing_ok=True)
     return path
 
 

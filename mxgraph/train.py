@@ -65,7 +65,7 @@ class TrainConfig:
     see --data-field), a .parquet file or a directory saved by datasets' save_to_disk
     (those two need pip install mxgraph[data]), tokenized once into DATA.<hash>.tokens.npy
     beside it (or beforehand by mxgraph data prepare) and packed; without a tokenizer a text
-    file's bytes are the tokens. Default = built-in stdlib text (bytes). The last 5% of the
+    file's bytes are the tokens. Default = built-in stdlib text (bytes). The last 5 percent of the
     tokens are the validation split."""
     tokenizer: str | None = None
     """Directory of a saved Hugging Face tokenizer (tokenizer.json / tokenizer_config.json;

@@ -54,14 +54,14 @@ def resolve_tokenizer(tokenizer: str | None, model: str) -> str | None:
 
 
 def check_training_data(data: str | None, tokenizer: str | None, field: str, model: str,
-                        vocab_size: Callable[[], int], *, prepare: bool = False,
-                        progress: bool = True):
+                        vocab_size: Callable[[], int], batch_size: int, seq_len: int, *,
+                        prepare: bool = False, progress: bool = True) -> TrainingData | None:
     """Check `--data`/`--tokenizer`/`--data-field` against each other and the model:
     `vocab_size()` gives the model's vocabulary from its config (no model built), checked
     against a tokenizer's. Only what needs no full read of the data is checked, unless
     `prepare`: then the token file is made if missing (`ensure_token_file`; every document
-    read). Returns (tokenizer directory, loaded tokenizer), or None for data read without a
-    tokenizer. UserError (DataError) on bad input, naming the fix."""
+    read), must give both splits a batch of `batch_size` sequences of `seq_len` + 1, and is
+    returned (memory-mapped); else None. UserError (DataError) on bad input, naming the fix."""
     tokenizer_dir = resolve_tokenizer(tokenizer, model)
     if data is None or data.endswith(".npy"):
         if tokenizer:  # asked for, but never used: say so rather than ignore it
@@ -81,26 +81,23 @@ def check_training_data(data: str | None, tokenizer: str | None, field: str, mod
     loaded = load_tokenizer(tokenizer_dir)
     check_vocab(loaded, tokenizer_dir, vocab_size(), model)
     check_documents(data, field)
-    if prepare:
-        ensure_token_file(data, tokenizer_dir, field, progress=progress, tokenizer=loaded)
-    return tokenizer_dir, loaded
-
-
-def training_data(data: str | None, tokenizer: str | None, field: str, model: str,
-                  vocab_size: Callable[[], int], batch_size: int, seq_len: int, *,
-                  progress: bool = True) -> TrainingData:
-    """The run's data after `check_training_data`: documents' token file (made if missing),
-    which must give both splits a batch of `batch_size` sequences of `seq_len` + 1; else the
-    built-in text, a file's bytes or a .npy's ids (`mxgraph.data.load_tokens`)."""
-    tokenizing = check_training_data(data, tokenizer, field, model, vocab_size)
-    if tokenizing is None:
-        return TrainingData(load_tokens(data), packed=False)
-    tokenizer_dir, loaded = tokenizing
-    path = ensure_token_file(data, tokenizer_dir, field, progress=progress, tokenizer=loaded)
-    tokens = open_tokens(path)
+    if not prepare:
+        return None
+    tokens = open_tokens(ensure_token_file(data, tokenizer_dir, field, progress=progress,
+                                           tokenizer=loaded))
     for name, part in zip(("training", "validation"), split(tokens), strict=True):
         if (len(part) - 1) // seq_len < batch_size:
             raise DataError(f"{data} makes {len(tokens)} tokens: its {name} split ({len(part)} "
                             f"tokens) holds fewer than a batch of {batch_size} sequences of "
                             f"{seq_len} + 1; use more data or a smaller --batch-size or --seq-len")
     return TrainingData(tokens, packed=True)
+
+
+def training_data(data: str | None, tokenizer: str | None, field: str, model: str,
+                  vocab_size: Callable[[], int], batch_size: int, seq_len: int, *,
+                  progress: bool = True) -> TrainingData:
+    """The run's data: `check_training_data`'s token file of documents (made if missing),
+    else the built-in text, a file's bytes or a .npy's ids (`mxgraph.data.load_tokens`)."""
+    packed = check_training_data(data, tokenizer, field, model, vocab_size, batch_size,
+                                 seq_len, prepare=True, progress=progress)
+    return packed if packed is not None else TrainingData(load_tokens(data), packed=False)
