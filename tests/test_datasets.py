@@ -210,3 +210,54 @@ def test_a_killed_run_resumed_reads_the_same_batches_and_losses(tmp_path, tokeni
     assert not glob.glob(f"/dev/shm/{segment_prefix(run_id)}*"), "shared memory left behind"
     for name, param in want["parameters"].items():
         assert torch.equal(param, got["parameters"][name]), name
+
+
+def _two_ranks(rank, world, tmp, data, tokenizer_dir, cfg_fields):
+    import mxgraph.token_file
+    write = mxgraph.token_file.write_token_file
+
+    def write_once(*args, **kwargs):  # mark which rank tokenized
+        open(f"{tmp}/tokenized-by-{rank}", "w").close()
+        return write(*args, **kwargs)
+    mxgraph.token_file.write_token_file = write_once
+    read, batches = PackedBatches.next, []
+
+    def next_batch(self):
+        batch = read(self)
+        if self.seed != VALIDATION_SEED:
+            batches.append((self.step - 1, batch))
+        return batch
+    PackedBatches.next = next_batch
+    result = train(TrainConfig(**cfg_fields), progress=False)
+    torch.save({"batches": dict(batches), "train_loss": result["train_loss"]},
+               f"{tmp}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_tokenize_once_and_read_halves_of_one_batch(
+        tmp_path, tokenizer_dir, tokenizer):
+    """2 gloo ranks (dp = 2, compiled) on a JSONL without a token file: one rank tokenizes
+    while the other waits on the lock; each step's two batches are the two halves of the
+    one-process batch of twice the size, and the loss (the mean over the dp group) is that
+    run's (tolerance 1e-5 relative: the two halves' means are averaged, another order)."""
+    from tests.distributed import run_ranks
+    docs = built_in_text(30_000)
+    data = write_jsonl(tmp_path / "docs.jsonl", docs)
+    fields = dict(model="llama-tiny", model_config=f"vocab_size={TOKENIZER_VOCAB}",
+                  data=str(data), tokenizer=str(tokenizer_dir), steps=2, batch_size=2,
+                  seq_len=16, warmup=1, val_batches=1)
+    run_ranks(2, _two_ranks, str(tmp_path), str(data), str(tokenizer_dir), fields)
+    assert len(list(tmp_path.glob("tokenized-by-*"))) == 1
+    token_files = list(tmp_path.glob("docs.jsonl.*"))
+    assert len(token_files) == 1 and token_files[0].name.endswith(".tokens.npy")
+    assert np.array_equal(open_tokens(token_files[0]), reference_stream(tokenizer, docs))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    with pytest.MonkeyPatch.context() as patch:
+        one_batches, _, _, _ = _recording(patch)
+        one = train(TrainConfig(**{**fields, "batch_size": 4}), progress=False)
+    assert sorted(one_batches) == sorted(ranks[0]["batches"]) == [0, 1]
+    for step, (x, y) in one_batches.items():
+        halves = [rank["batches"][step] for rank in ranks]
+        assert torch.equal(x, torch.cat([h[0] for h in halves]))
+        assert torch.equal(y, torch.cat([h[1] for h in halves]))
+    assert abs(ranks[0]["train_loss"] - one["train_loss"]) <= 1e-5 * one["train_loss"]
