@@ -17,7 +17,8 @@ def add_data_parser(commands, parents) -> None:
     """Register `data` (and its `prepare`) on the CLI's subparsers."""
     data = commands.add_parser("data", parents=parents, help="prepare training data: "
                                "tokenize documents once into a token file (data prepare)")
-    actions = data.add_subparsers(dest="data_command", required=True, parser_class=type(data))
+    actions = data.add_subparsers(dest="action", metavar="ACTION", required=True,
+                                  parser_class=type(data), title="actions")
     prepare = actions.add_parser(
         "prepare", parents=parents, help="tokenize --data with --tokenizer into its token file",
         description="Tokenize the documents of --data with --tokenizer, each followed by the "

@@ -176,9 +176,10 @@ def write_token_file(path: Path, data: str, kind: str, field: str, tokenizer, *,
         tokens.flush()
         del tokens
         os.replace(done, path)
-    except OSError as error:
-        raise UserError(f"cannot write the token file {path} ({error.strerror}); copy the data "
-                        f"to a directory you can write, with free space") from None
+    except OSError as error:  # reading the data was checked; writing beside it was not
+        raise UserError(f"cannot make the token file {path} ({error.strerror or error}: "
+                        f"{error.filename}); the data's directory must be writable, with free "
+                        f"space (copy the data elsewhere if not)") from None
     finally:
         for leftover in (raw, done):
             leftover.unlink(missing_ok=True)

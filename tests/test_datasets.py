@@ -65,6 +65,25 @@ def test_text_file_documents_are_its_blank_line_separated_blocks(tmp_path, token
     assert np.array_equal(tokens, reference_stream(tokenizer, docs))
 
 
+def test_a_tokenizer_that_ends_documents_with_eos_itself_gets_no_second_one(tmp_path,
+                                                                            tokenizer_dir):
+    """A post-processor that appends EOS (and prepends it, as a BOS): the stream is the
+    tokenizer's own output, document after document."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)  # a copy to change
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{EOS} $A {EOS}", special_tokens=[(EOS, eos)])
+    tokenizer.save_pretrained(tmp_path / "tok")
+    docs = saved_dataset_documents()
+    data = write_jsonl(tmp_path / "docs.jsonl", docs)
+    tokens = open_tokens(ensure_token_file(str(data), str(tmp_path / "tok"), progress=False))
+    ends = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    want = [i for doc in docs for i in ends(doc)["input_ids"]]
+    assert want[:1] == [eos] and want[-1:] == [eos] and tokens.tolist() == want
+
+
 def test_parquet_and_a_saved_dataset_load_the_same_stream_as_jsonl(tmp_path, tokenizer_dir,
                                                                    tokenizer):
     docs = saved_dataset_documents()
@@ -99,6 +118,13 @@ def test_prepare_makes_the_file_once_and_again_for_a_changed_file_or_tokenizer(
     assert main(argv) == 0
     retokenized = capsys.readouterr().out
     assert retokenized.endswith(", made\n") and retokenized.split(":")[0] not in (path, changed)
+
+
+def test_data_help_lists_prepare(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["data", "--help"])
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and "prepare" in out and "tokenize --data with --tokenizer" in out
 
 
 def test_default_tokenizer_is_the_model_directory_holding_one(tokenizer_dir, tmp_path):
