@@ -88,35 +88,45 @@ def progress_total(source: str, kind: str) -> int:
     return sum(_arrow_table(file).num_rows for file in arrow_files(path))
 
 
-def read_documents(source: str, kind: str, field: str,
-                   batch_size: int = 1024) -> Iterator[tuple[list[str], int]]:
-    """Batches of at most `batch_size` documents of `source` with the progress each makes."""
+def read_documents(source: str, kind: str, field: str, batch_size: int = 1024,
+                   batch_chars: int = 1 << 20) -> Iterator[tuple[list[str], int]]:
+    """Batches of `source`'s documents with the progress each makes: a batch ends after
+    `batch_size` documents or once it holds `batch_chars` characters (what the tokenizer
+    holds at once grows with the text: about 150 bytes a token)."""
     path = Path(source)
     if kind == "txt":
-        yield from _batched(_text_blocks(path), batch_size)
+        rows = _text_blocks(path)
     elif kind == "jsonl":
-        yield from _batched(_jsonl_fields(path, field), batch_size)
+        rows = _jsonl_fields(path, field)
     elif kind == "parquet":
-        for batch in _parquet(path).iter_batches(batch_size=batch_size, columns=[field]):
-            yield _strings(batch.column(0), source, field), batch.num_rows
+        rows = _column_rows(((batch, source) for batch in _parquet(path).iter_batches(
+            batch_size=batch_size, columns=[field])), field)
     else:
-        for file in arrow_files(path):
-            table = _arrow_table(file)
-            for batch in table.select([field]).to_batches(max_chunksize=batch_size):
-                yield _strings(batch.column(0), str(file), field), batch.num_rows
+        rows = _column_rows(((batch, str(file)) for file in arrow_files(path)
+                             for batch in _arrow_table(file).select([field]).to_batches(
+                                 max_chunksize=batch_size)), field)
+    yield from _batched(rows, batch_size, batch_chars)
 
 
-def _batched(items: Iterator[tuple[str | None, int]], size: int
+def _column_rows(batches, field: str) -> Iterator[tuple[str, int]]:
+    """(text, 1) per row of Arrow record batches (column 0, from the named file)."""
+    for batch, source in batches:
+        for text in _strings(batch.column(0), source, field):
+            yield text, 1
+
+
+def _batched(items: Iterator[tuple[str | None, int]], size: int, chars: int
              ) -> Iterator[tuple[list[str], int]]:
     """Batches of the texts of `items` (text or None for progress alone, progress)."""
-    texts, done = [], 0
+    texts, held, done = [], 0, 0
     for text, advance in items:
         if text is not None:
             texts.append(text)
+            held += len(text)
         done += advance
-        if len(texts) == size:
+        if len(texts) == size or held >= chars:
             yield texts, done
-            texts, done = [], 0
+            texts, held, done = [], 0, 0
     if texts or done:
         yield texts, done
 
