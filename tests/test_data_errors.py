@@ -143,3 +143,18 @@ def test_without_a_tokenizer_a_file_is_bytes_and_a_npy_ids_as_before(inputs):
         data = training_data(str(inputs / name), None, "text", "llama-tiny",
                              lambda: pytest.fail("no tokenizer: no vocabulary check"), 2, 4)
         assert not data.packed and data.tokens.tolist() == want, name
+
+
+def test_a_data_file_pyarrow_cannot_read_is_one_line_naming_it(inputs, monkeypatch, capfd):
+    (inputs / "junk.parquet").write_bytes(b"not parquet")
+    saved = inputs / "saved"
+    saved.mkdir(exist_ok=True)
+    (saved / "state.json").write_text('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}')
+    (saved / "data-00000-of-00001.arrow").write_bytes(b"not arrow")
+    for data, start in (("junk.parquet", "junk.parquet: not a readable Parquet file ("),
+                        ("saved", "saved/data-00000-of-00001.arrow: not an Arrow stream as "
+                                  "save_to_disk writes (")):
+        status, out, err = _run(["train", "--data", data, "--tokenizer", "tok", *FITS],
+                                inputs, monkeypatch, capfd)
+        assert (status, out) == (2, "") and err.count("\n") == 1, err
+        assert err.startswith(f"mxgraph: error: {start}"), err
