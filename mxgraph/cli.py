@@ -14,6 +14,7 @@ import sys
 import traceback
 
 import models
+from mxgraph.data_cli import add_data_parser
 from mxgraph.errors import PlanError, UserError
 from mxgraph.search.cli import add_search_parser
 from mxgraph.train import TrainConfig
@@ -101,7 +102,6 @@ def check_train_inputs(args) -> None:
     torchrun starts processes), so that a mistake costs no model construction."""
     import torch
 
-    from mxgraph.data import check_source
     from mxgraph.plan import Plan, require_built
     check_model(args)
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
@@ -115,8 +115,6 @@ def check_train_inputs(args) -> None:
             raise PlanError(f"{args.plan or 'the default plan'} on {world_size} process(es): "
                             f"{error} (--nproc N starts N)") from None
         require_built(plan)
-    if args.data:
-        check_source(args.data)
     if args.save_every or args.resume:
         from mxgraph.train_state import check_checkpoint_dir
         check_checkpoint_dir(args.checkpoint_dir)
@@ -134,6 +132,13 @@ def check_train_inputs(args) -> None:
     if args.max_restarts and not args.save_every:
         print("mxgraph: warning: --max-restarts without --save-every N: a restart starts "
               "again at step 0", file=sys.stderr)
+    from mxgraph.train import model_vocab_size
+    from mxgraph.training_data import check_training_data
+    # last (it may read all the data): outside torchrun's workers the token file is made
+    # here, before any worker starts
+    check_training_data(args.data, args.tokenizer, args.data_field, args.model,
+                        lambda: model_vocab_size(args), args.batch_size, args.seq_len,
+                        prepare="LOCAL_RANK" not in os.environ, progress=not args.no_progress)
 
 
 def check_model(args) -> None:
@@ -286,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="show which ops two passes' graphs differ in")
     inspect.set_defaults(run=_inspect)
     add_search_parser(commands, [debug], models)
+    add_data_parser(commands, [debug])
     parser.description = ("Compile and run PyTorch training steps. Commands: "
                           f"{', '.join(commands.choices)}; 'mxgraph COMMAND --help' for one.")
     return parser

@@ -2,6 +2,7 @@
 given data."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -16,10 +17,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import mxgraph
-from mxgraph.data import Batches, load_tokens, split
+from mxgraph.data import Batches, split
 from mxgraph.errors import DataError, UserError
-from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
+from mxgraph.hf import build_hf_model, hf_config, is_hf_spec, parse_overrides
 from mxgraph.metrics import RunMetrics, check_metrics_flags, count_flops, moe_kind
+from mxgraph.packed import PackedBatches
 from mxgraph.plan import Plan
 from mxgraph.runtime.checkpoint.flash import FlashCheckpointer
 from mxgraph.runtime.cluster.device import detect
@@ -28,6 +30,7 @@ from mxgraph.runtime.grad_norm import named_gradient_pieces
 from mxgraph.runtime.health import Drill, Guard, NonFiniteError, Verdict, locate
 from mxgraph.runtime.monitor.slow_node import MonitorConfig, StepMonitor
 from mxgraph.train_state import RunCheckpoints, check_checkpoint_dir, run_id_for
+from mxgraph.training_data import training_data
 
 log = logging.getLogger("mxgraph.train")
 
@@ -58,7 +61,19 @@ class TrainConfig:
     weight_decay: float = 0.1
     """AdamW weight decay."""
     data: str | None = None
-    """Text file (bytes are tokens) or .npy of token ids; default = built-in stdlib text."""
+    """Training data, local: a .npy of token ids; documents to tokenize (needs a tokenizer): a
+    .txt file (documents separated by blank lines), a .jsonl file (one JSON object per line,
+    see --data-field), a .parquet file or a directory saved by datasets' save_to_disk
+    (those two need pip install mxgraph[data]), tokenized once into DATA.<hash>.tokens.npy
+    beside it (or beforehand by mxgraph data prepare) and packed; without a tokenizer a text
+    file's bytes are the tokens. Default = built-in stdlib text (bytes). The last 5 percent of the
+    tokens are the validation split."""
+    tokenizer: str | None = None
+    """Directory of a saved Hugging Face tokenizer (tokenizer.json / tokenizer_config.json;
+    pip install mxgraph[hf]) for --data documents; default = the --model directory's own
+    tokenizer files, if any. Its end-of-text token ends every document."""
+    data_field: str = "text"
+    """The field (.jsonl) or column (.parquet, datasets directory) holding each document."""
     val_batches: int = 20
     """Batches averaged for the validation loss at the end."""
     seed: int = 0
@@ -185,6 +200,17 @@ def build_training_model(cfg: TrainConfig) -> torch.nn.Module:
     return models.build_model(cfg.model, dtype=dtype, **overrides)
 
 
+def model_vocab_size(cfg: TrainConfig) -> int:
+    """The vocabulary of the model `cfg.model` names (with `cfg.model_config`'s overrides),
+    read from its config alone: no model is built."""
+    import models
+
+    overrides = parse_overrides(cfg.model_config)
+    if is_hf_spec(cfg.model):
+        return hf_config(cfg.model, overrides).vocab_size
+    return dataclasses.replace(models.preset_config(cfg.model), **overrides).vocab_size
+
+
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     """Train; returns {"train_loss" (the last applied step's), "val_loss", "tokens_per_s"
     (of one data-parallel rank, periodic validation left out), "mfu"
@@ -200,10 +226,13 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     rank = _init_distributed()
     seed_everything(cfg.seed)
     plan = Plan.from_toml(cfg.plan) if cfg.plan else Plan()
+    data = training_data(cfg.data, cfg.tokenizer, cfg.data_field, cfg.model,
+                         lambda: model_vocab_size(cfg), cfg.batch_size, cfg.seq_len,
+                         progress=progress and rank == 0)  # tokenized once, before the model
     model = build_training_model(cfg)
     vocab = model.config.vocab_size
-    tokens = load_tokens(cfg.data)
-    if int(tokens.max()) >= vocab:
+    tokens = data.tokens
+    if not data.packed and int(tokens.max()) >= vocab:  # a tokenizer's ids were checked
         raise DataError(f"data has token id {int(tokens.max())} but {cfg.model} has "
                         f"vocab_size={vocab}; choose a model with a larger vocabulary or "
                         f"set --model-config vocab_size={int(tokens.max()) + 1}")
@@ -212,7 +241,8 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     moe = moe_kind(model, None if cfg.eager else plan.moe.capacity_factor)
     step_fn = model if cfg.eager else mxgraph.compile(model, plan)
     dp_rank = 0 if cfg.eager else step_fn.mesh.coords["dp"]
-    batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed + dp_rank)
+    dp_size = 1 if cfg.eager else step_fn.mesh.sizes["dp"]
+    batches = data.batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, dp_size)
     monitor = slow_node_monitor(cfg, step_fn, rank)
     if not cfg.eager:  # compile first: with pp, this rank's parameters are known after
         step_fn.prepare(*batches.peek())
@@ -239,7 +269,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     if cfg.save_every and start_step == 0:  # the initial state: what a NaN before the
         checkpoints.save(0, {}, background=False)  # first save rolls back (or resumes) to
     metrics = RunMetrics.for_run(cfg, step_fn, flops_per_token, moe, rank, start_step,
-                                 evaluate=lambda: evaluate(step_fn, val_tokens, cfg))
+                                 evaluate=lambda: evaluate(step_fn, val_tokens, cfg, packed=data.packed))
     loop = _Loop(cfg, step_fn, optimizer, batches, guard, monitor, checkpoints, rank, metrics)
     try:
         loop.run(start_step, progress)
@@ -255,7 +285,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         checkpoints.checkpointer.close()
     if not cfg.eager:
         step_fn.sync_parameters()  # zero1: the last update is still in the shards
-    val_loss = evaluate(step_fn, val_tokens, cfg)
+    val_loss = evaluate(step_fn, val_tokens, cfg, packed=data.packed)
     held = model.named_parameters() if cfg.eager else step_fn.model_parameters()
     tokens_per_s = max(1, loop.iterations) * cfg.batch_size * cfg.seq_len / max(
         1e-9, loop.seconds - metrics.eval_seconds)  # periodic validation left out
@@ -445,11 +475,14 @@ def step_profiler(cfg: TrainConfig, rank: int, num_steps: int):
     return profiler
 
 
-def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig) -> float:
-    """Mean loss (nats per token) over `cfg.val_batches` fixed validation batches, in eval
+def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig, packed: bool = False
+             ) -> float:
+    """Mean loss (nats per token) over `cfg.val_batches` fixed validation batches (the first
+    of `PackedBatches`' order for `packed` documents, else random windows), in eval
     mode without gradients: an eager model itself, a compiled step through its own
     forward-only compile (`eval_loss`: every layout, on the step's own parameters)."""
-    batches = Batches(val_tokens, cfg.batch_size, cfg.seq_len, seed=12345)
+    loader = PackedBatches if packed else Batches
+    batches = loader(val_tokens, cfg.batch_size, cfg.seq_len, seed=12345)
     if isinstance(step_or_model, torch.nn.Module):
         model = step_or_model
         was_training = model.training
