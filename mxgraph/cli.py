@@ -139,9 +139,13 @@ def check_model(args) -> None:
     missing transformers, or a --model-config key or value the model's config rejects;
     only configs are made, no model."""
     from mxgraph.hf import hf_config, is_hf_spec, parse_overrides
+    from mxgraph.pretrained import is_model_dir, weight_files
     overrides = parse_overrides(args.model_config)
-    if is_hf_spec(args.model):
-        config = hf_config(args.model, overrides)
+    if is_model_dir(args.model):
+        weight_files(args.model)  # a UserError for a directory without weights
+    if is_hf_spec(args.model) or is_model_dir(args.model):
+        spec = os.path.join(args.model, "config.json") if is_model_dir(args.model) else args.model
+        config = hf_config(spec, overrides)
         positions = getattr(config, "max_position_embeddings", None)
         if isinstance(positions, int) and args.seq_len > positions:
             raise UserError(f"--seq-len {args.seq_len} is longer than {args.model}'s "

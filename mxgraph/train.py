@@ -20,6 +20,7 @@ from mxgraph.data import Batches, load_tokens, split
 from mxgraph.errors import DataError, UserError
 from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
 from mxgraph.plan import Plan
+from mxgraph.pretrained import build_from_dir, is_model_dir, load_weights
 from mxgraph.runtime.checkpoint.flash import FlashCheckpointer
 from mxgraph.runtime.cluster.device import detect
 from mxgraph.runtime.cluster.launch import init_from_environment
@@ -38,7 +39,9 @@ class TrainConfig:
     model: str = "llama-tiny"
     """Model preset (see `models.list_presets()`), or a Hugging Face transformers model with
     random weights: hf:<model_type> (e.g. hf:llama, hf:mixtral; the full-size defaults unless
-    --model-config shrinks them) or the path of a config.json (needs pip install mxgraph[hf])."""
+    --model-config shrinks them) or the path of a config.json, or a pretrained one: a
+    directory with config.json and model.safetensors (or model.safetensors.index.json), each
+    rank reading only its part (needs pip install mxgraph[hf])."""
     model_config: str | None = None
     """Overrides of the model's config, key=value,...: fields of the preset's config (e.g.
     n_layers=2) or of the Hugging Face config (e.g. hidden_size=64,num_hidden_layers=2)."""
@@ -156,6 +159,10 @@ def build_training_model(cfg: TrainConfig) -> torch.nn.Module:
 
     dtype = getattr(torch, cfg.dtype)
     overrides = parse_overrides(cfg.model_config)
+    if is_model_dir(cfg.model):  # its weights are read after compile: `load_weights`
+        model = build_from_dir(cfg.model, overrides, dtype=dtype)
+        model.config.use_cache = False
+        return model
     if is_hf_spec(cfg.model):
         model = build_hf_model(cfg.model, overrides, dtype=dtype)
         model.config.use_cache = False
@@ -192,6 +199,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         step_fn.guard = guard
     if not cfg.eager and plan.pp > 1:
         release_other_stages(model, step_fn)
+    if is_model_dir(cfg.model):  # this rank's slices of the pretrained weights, before
+        load_weights(model, None if cfg.eager else step_fn,  # zero1 copies them to shards
+                     progress=progress and rank == 0)
     params = list(model.parameters() if cfg.eager else step_fn.parameters())
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(0.9, 0.95))
