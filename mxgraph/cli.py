@@ -222,6 +222,13 @@ def _inspect(args) -> int:
     return inspect_main(args)
 
 
+def _export(args) -> int:
+    from mxgraph.export import export
+    written = export(args.checkpoint, args.hf, args.max_shard_size, progress=not args.no_progress)
+    print(f"wrote {len(written)} files to {args.hf}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mxgraph")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
@@ -286,6 +293,19 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--diff", nargs=2, metavar=("PASS_A", "PASS_B"),
                          help="show which ops two passes' graphs differ in")
     inspect.set_defaults(run=_inspect)
+    export = commands.add_parser("export", parents=[debug],
+                                 help="write a checkpoint of mxgraph train as a Hugging Face "
+                                      "model directory (any layout: shards are gathered)")
+    export.add_argument("checkpoint", help="a committed step directory, or a --checkpoint-dir "
+                                           "(its newest committed step)")
+    export.add_argument("--hf", required=True, metavar="OUT",
+                        help="new or empty directory for config.json, the safetensors and "
+                             "the tokenizer files of the model directory the run started from")
+    export.add_argument("--max-shard-size", default="5GB",
+                        help="largest safetensors file (bytes, or e.g. 5GB, 500MB); more "
+                             "files come with model.safetensors.index.json")
+    export.add_argument("--no-progress", action="store_true", help="no progress bar")
+    export.set_defaults(run=_export)
     add_search_parser(commands, [debug], models)
     parser.description = ("Compile and run PyTorch training steps. Commands: "
                           f"{', '.join(commands.choices)}; 'mxgraph COMMAND --help' for one.")

@@ -18,6 +18,7 @@ from tqdm import tqdm
 import mxgraph
 from mxgraph.data import Batches, load_tokens, split
 from mxgraph.errors import DataError, UserError
+from mxgraph.export import export_info
 from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
 from mxgraph.plan import Plan
 from mxgraph.pretrained import build_from_dir, is_model_dir, load_weights
@@ -213,6 +214,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             FlashCheckpointer.from_env(cfg.checkpoint_dir, keep=cfg.keep,
                                        run_id=run_id_for(cfg.checkpoint_dir)),
             plan, named, optimizer, batches)
+        checkpoints.export_info = export_info(cfg, step_fn)  # for `mxgraph export`
     if cfg.resume or restart:  # a restarted worker resumes by itself
         try:
             start_step = checkpoints.resume(restart, started)
