@@ -132,21 +132,14 @@ def load_weights(model: HFCausalLM, step=None, progress: bool = False) -> None:
             raise UserError(f"{directory}: tensor {key} has shape {list(node.shape)} but the "
                             f"model built from its config.json has {full}")
         ranges = owned_ranges(layout, full, step.mesh) if sharded else [[(0, n)] for n in full]
-        value = node.read(ranges).to(param.dtype)
-        with torch.no_grad():
-            if param.stride() == value.stride() and not _is_stand_in(param):
-                param.copy_(value)
-            else:
-                param.data = value.contiguous()
+        dtype = param.dtype
+        param.data = torch.empty(0, dtype=dtype)  # the compile's part goes before the read:
+        param.data = node.read(ranges).to(dtype).contiguous()  # one copy of it at a time
         param.grad = None
     with torch.no_grad():
         for key, buffer in buffers.items():
             if key in sources:  # a persistent buffer the file holds (RoPE's are recomputed)
                 buffer.copy_(sources[key].read([[(0, n)] for n in buffer.shape]))
-
-
-def _is_stand_in(param: torch.Tensor) -> bool:
-    return param.numel() > 1 and 0 in param.stride()
 
 
 def owned_ranges(layout, full: list[int], mesh) -> list[list[tuple[int, int]]]:
