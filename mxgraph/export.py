@@ -47,11 +47,26 @@ def export_info(cfg, step_fn) -> dict:
         info["held"] = [name for name, _ in step_fn.named_parameters()]
         return info
     info["mesh"] = {"sizes": dict(step_fn.mesh.sizes), "coords": dict(step_fn.mesh.coords)}
-    info["held"] = [name for name, _ in step_fn.model_parameters()]
+    held = step_fn.model_parameters()
+    info["held"] = [name for name, _ in held]
+    info["shapes"] = {name: list(p.shape) for name, p in held}
     info["zero1"] = bool(step_fn.plan.zero1)
+    if info["zero1"]:  # where each parameter lies in the flat shards the checkpoint holds
+        info["buckets"] = [_bucket_info(step_fn.data_parallel, i, bucket)
+                           for i, bucket in enumerate(step_fn.data_parallel.buckets)]
     info["layouts"] = {name: [layout.tp_dim, list(layout.tp_blocks or []) or None, layout.ep]
                        for name, layout in step_fn.layouts.items() if layout.sharded}
     return info
+
+
+def _bucket_info(data_parallel, index: int, bucket) -> dict:
+    """A ZeRO-1 bucket: its shard's name, its parameters' names and flat offsets, the shard's
+    length and this rank's place in the bucket's group (which slice of the flat it holds)."""
+    import torch.distributed as dist
+    group = data_parallel.process_group(bucket)
+    return {"shard": f"zero1.bucket{index}", "names": list(bucket.names),
+            "offsets": list(bucket.offsets), "shard_numel": bucket.shard_numel,
+            "group_rank": 0 if group is None else dist.get_rank(group)}
 
 
 def parse_size(text: str | int) -> int:
@@ -134,15 +149,76 @@ def _place(full: torch.Tensor, piece: torch.Tensor, ranges) -> None:
     full[tuple(slice(*r[0]) for r in ranges)].copy_(piece)
 
 
+class _Piece:
+    """A rank's piece of a parameter, saved as one tensor."""
+
+    def __init__(self, snapshot: _Snapshot, key: str):
+        self.snapshot, self.key = snapshot, key
+
+    def shape(self) -> list[int]:
+        return self.snapshot.shape(self.key)
+
+    def dtype(self) -> torch.dtype:
+        return self.snapshot.metadata.state_dict_metadata[self.key].properties.dtype
+
+    def read(self) -> torch.Tensor:
+        return self.snapshot.read(self.key)
+
+
+class _Zero1Piece:
+    """A rank's piece of a parameter under ZeRO-1: its range of a bucket's flat values,
+    read from the shards of the ranks of the bucket's group (those with the same tp, ep,
+    pp and cp coordinates and the same bucket), one shard at a time."""
+
+    def __init__(self, snapshot: _Snapshot, info: dict, name: str):
+        self.snapshot, self.info, self.name = snapshot, info, name
+        self.bucket = next(b for b in info["buckets"] if name in b["names"])
+        self.offset = self.bucket["offsets"][self.bucket["names"].index(name)]
+        same = {axis: info["mesh"]["coords"].get(axis) for axis in ("tp", "ep", "pp", "cp")}
+        self.shards = {}  # group rank -> the checkpoint key of its shard
+        for other, keys in snapshot.ranks:
+            coords = other["mesh"]["coords"]
+            if any(coords.get(axis) != value for axis, value in same.items()):
+                continue
+            for bucket in other["buckets"]:
+                if bucket["names"] == self.bucket["names"]:
+                    self.shards.setdefault(bucket["group_rank"], keys[bucket["shard"]])
+
+    def shape(self) -> list[int]:
+        return list(self.info["shapes"][self.name])
+
+    def dtype(self) -> torch.dtype:
+        key = next(iter(self.shards.values()))
+        return self.snapshot.metadata.state_dict_metadata[key].properties.dtype
+
+    def read(self) -> torch.Tensor:
+        numel, size = _numel(self.shape()), self.bucket["shard_numel"]
+        flat = torch.empty(numel, dtype=self.dtype())
+        start, stop = self.offset, self.offset + numel
+        for group_rank in range(start // size, (stop - 1) // size + 1):
+            if group_rank not in self.shards:
+                raise UserError(f"{self.snapshot.path} lacks the ZeRO-1 shard {group_rank} "
+                                f"of {self.bucket['shard']} holding {self.name}")
+            shard = self.snapshot.read(self.shards[group_rank])
+            lo, hi = max(start, group_rank * size), min(stop, (group_rank + 1) * size)
+            flat[lo - start:hi - start] = shard[lo - group_rank * size:hi - group_rank * size]
+        return flat.view(self.shape())
+
+
 class _Gatherer:
     """Whole parameters from the ranks' pieces."""
 
     def __init__(self, snapshot: _Snapshot):
         self.snapshot = snapshot
-        self.owners: dict[str, list[tuple[dict, str]]] = {}
+        self.owners: dict[str, list[tuple[dict, object]]] = {}
+        """name -> (saving rank's info, how to read its piece) per rank holding it."""
         for info, keys in snapshot.ranks:
             for name in info["held"]:
-                self.owners.setdefault(name, []).append((info, keys[name]))
+                if info["zero1"]:
+                    reader = _Zero1Piece(snapshot, info, name)
+                else:
+                    reader = _Piece(snapshot, keys[name])
+                self.owners.setdefault(name, []).append((info, reader))
 
     def names(self) -> list[str]:
         return list(self.owners)
@@ -153,30 +229,29 @@ class _Gatherer:
         return _layout(entry) if entry else None
 
     def shape(self, name: str) -> list[int]:
-        info, key = self.owners[name][0]
-        local = self.snapshot.shape(key)
+        info, reader = self.owners[name][0]
+        local = reader.shape()
         layout = self.layout(name)
         return layout.full_shape(local, info["mesh"]["sizes"]) if layout else local
 
     def dtype(self, name: str) -> torch.dtype:
-        key = self.owners[name][0][1]
-        return self.snapshot.metadata.state_dict_metadata[key].properties.dtype
+        return self.owners[name][0][1].dtype()
 
     def whole(self, name: str) -> torch.Tensor:
         from mxgraph.pretrained import owned_ranges
         layout = self.layout(name)
         if layout is None:
-            return self.snapshot.read(self.owners[name][0][1])
+            return self.owners[name][0][1].read()
         full = torch.empty(self.shape(name), dtype=self.dtype(name))
         done = set()
-        for info, key in self.owners[name]:
+        for info, reader in self.owners[name]:
             coords = info["mesh"]["coords"]
             where = (coords.get("tp"), coords.get("ep"))
             if where in done:
                 continue
             done.add(where)
             mesh = SimpleNamespace(sizes=info["mesh"]["sizes"], coords=coords)
-            _place(full, self.snapshot.read(key), owned_ranges(layout, list(full.shape), mesh))
+            _place(full, reader.read(), owned_ranges(layout, list(full.shape), mesh))
         return full
 
 
@@ -186,15 +261,12 @@ def export(checkpoint: str, out: str, max_shard_size: str | int = DEFAULT_MAX_SH
     its newest) to `out` as a Hugging Face model directory (see the module docstring);
     safetensors files of at most `max_shard_size` each (bytes, or '5GB') with
     model.safetensors.index.json when there are several. Returns the files written.
-    UserError for a non-empty `out`, an old or zero1 checkpoint."""
+    UserError for a non-empty `out` or a checkpoint saved before export was recorded."""
     limit = parse_size(max_shard_size)
     if os.path.isdir(out) and os.listdir(out):
         raise UserError(f"{out} is not empty; export into a new or empty directory")
     snapshot = _Snapshot(committed_step(checkpoint))
     info = snapshot.ranks[0][0]
-    if any(rank_info["zero1"] for rank_info, _ in snapshot.ranks):
-        raise UserError(f"{checkpoint} was saved under zero1 (flat optimizer shards), which "
-                        f"export does not read yet; train with zero1 = false to export")
     gatherer = _Gatherer(snapshot)
     names = gatherer.names()
     os.makedirs(out, exist_ok=True)

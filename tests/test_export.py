@@ -59,12 +59,15 @@ def test_trained_checkpoint_exports_to_hugging_face(tmp_path):
     from mxgraph.runtime.param_layout import ParamLayout
     llama = str(save_model_dir(tmp_path / "llama", "llama"))
     mixtral = str(save_model_dir(tmp_path / "mixtral", "mixtral"))
-    cases = [(llama, "tp = 2\n"), (llama, "pp = 2\nmicro_batches = 2\n"), (mixtral, "ep = 2\n")]
+    cases = [(llama, "tp = 2\n"), (llama, "pp = 2\nmicro_batches = 2\n"), (mixtral, "ep = 2\n"),
+             (llama, "zero1 = true\n")]
     run_ranks(2, _train_cases, cases, str(tmp_path))
     for i, (_, plan) in enumerate(cases):
         out = tmp_path / f"out{i}"
-        export(str(tmp_path / f"ck{i}"), str(out), progress=False)
+        shard_size = "200KB" if i == 0 else "5GB"  # the first split in several files
+        export(str(tmp_path / f"ck{i}"), str(out), shard_size, progress=False)
         assert (out / "tokenizer.json").exists()
+        assert (out / "model.safetensors.index.json").exists() == (i == 0)
         hf_logging.set_verbosity_warning()
         model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
         assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
@@ -108,3 +111,22 @@ def test_max_shard_size_parsing():
     assert parse_size(1234) == 1234
     with pytest.raises(UserError, match="no size"):
         parse_size("five")
+
+
+def test_preset_exports_its_state_dict(tmp_path):
+    """A preset model (one process, --eager): model.safetensors holds exactly the run's
+    final parameters (bitwise), mxgraph_model.json names the preset."""
+    from safetensors.torch import load_file
+
+    from mxgraph.export import export
+    from mxgraph.train import TrainConfig, train
+    cfg = TrainConfig(model="llama-tiny", checkpoint_dir=str(tmp_path / "ck"), eager=True,
+                      **{**COMMON, "steps": 1, "save_every": 1, "val_batches": 1})
+    result = train(cfg, progress=False)
+    export(str(tmp_path / "ck"), str(tmp_path / "out"), progress=False)
+    saved = load_file(tmp_path / "out" / "model.safetensors")
+    assert saved.keys() == result["parameters"].keys()
+    for name, param in result["parameters"].items():
+        assert torch.equal(saved[name], param.detach()), name
+    assert json.loads((tmp_path / "out" / "mxgraph_model.json").read_text())["preset"] == \
+        "llama-tiny"
