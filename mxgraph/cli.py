@@ -293,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--diff", nargs=2, metavar=("PASS_A", "PASS_B"),
                          help="show which ops two passes' graphs differ in")
     inspect.set_defaults(run=_inspect)
+    add_search_parser(commands, [debug], models)
     export = commands.add_parser("export", parents=[debug],
                                  help="write a checkpoint of mxgraph train as a Hugging Face "
                                       "model directory (any layout: shards are gathered)")
@@ -306,7 +307,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "files come with model.safetensors.index.json")
     export.add_argument("--no-progress", action="store_true", help="no progress bar")
     export.set_defaults(run=_export)
-    add_search_parser(commands, [debug], models)
     parser.description = ("Compile and run PyTorch training steps. Commands: "
                           f"{', '.join(commands.choices)}; 'mxgraph COMMAND --help' for one.")
     return parser
