@@ -4,16 +4,21 @@
     step = mxgraph.compile(model, plan, example=batch)
     load_weights(model, step)                         # this rank's slices, in place
 
-`build_from_dir` builds the model on the meta device, so nothing of the size of the model is
-allocated. Tracing needs real tensors: each parameter becomes a zero-stride view of one
-element (`torch.empty(()).expand(shape)`, no memory), the stand-in `train.release_other_stages`
-uses for other pipeline stages. The compile cuts the sharded ones to this rank's part (a
-contiguous tensor of the part's size), and `load_weights` then fills every parameter the
-rank holds with the slices its `ParamLayout` owns, read lazily from the safetensors files
-(`safe_open(...).get_slice`), one file opened per tensor and closed after it (so the mapped
-pages of one tensor at most stay resident beside the rank's parts). Buffers (RoPE
-frequencies) are computed by transformers' own `initialize_weights`, as `from_pretrained`
-does for buffers a checkpoint does not hold.
+`build_from_dir` builds the model on the meta device (no initialisation runs). Tracing
+needs real tensors (torch.export fakes them from the parameters, strides included: a
+zero-stride stand-in, `torch.empty(()).expand(shape)`, traces, but Inductor then asserts
+those strides on the real parameters). So each parameter becomes `torch.empty(shape)`: never
+written, the OS gives it no page (Linux allocates anonymous memory on first write), so it
+costs address space, not resident memory. The compile cuts the sharded ones to this rank's
+part (a contiguous tensor of the part's size, `param_layout.materialize`), and
+`load_weights` then fills every parameter the rank holds with the slices its `ParamLayout`
+owns, read lazily from the safetensors files (`safe_open(...).get_slice`), each
+parameter's old tensor dropped before its slice is read, one file opened per tensor and
+closed after it (so the mapped pages of one tensor at most stay resident beside the rank's
+parts). Peak resident memory per rank: its parts plus the compile's own
+(`benchmarks/bench_load_memory.py`). Buffers (RoPE frequencies) are computed by
+transformers' own `initialize_weights`, as `from_pretrained` does for buffers a checkpoint
+does not hold.
 
 The checkpoint's keys go through the model's own conversion mapping
 (`transformers.conversion_mapping.get_model_conversion_mapping`): renamings (Mixtral's
@@ -21,8 +26,7 @@ The checkpoint's keys go through the model's own conversion mapping
 (`MergeModulelist`) and concatenate projections (`Concatenate`, gate and up into
 `gate_up_proj`) become a tree of lazy reads, so a rank still reads only its experts and its
 tensor-parallel rows of each block. Tied weights (`tie_word_embeddings`) are one parameter
-under two names: whichever name the file holds is read. Plan: `Plan.codegen` "python" (the
-default); Inductor takes the traced strides of the stand-ins as given.
+under two names: whichever name the file holds is read.
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ def build_from_dir(directory: str, overrides: dict | None = None,
                    dtype: torch.dtype = torch.float32) -> HFCausalLM:
     """The `HFCausalLM` of `directory/config.json` (with `overrides`) without its weights:
     built on the meta device, its buffers computed as transformers computes them (on the
-    CPU), every parameter a zero-stride stand-in of `dtype` (no memory) until
+    CPU), every parameter an unwritten `torch.empty` of `dtype` (no resident memory) until
     `load_weights`. `model.pretrained_dir` remembers where the weights are."""
     import transformers
     weight_files(directory)  # the UserError for a directory without weights, first
@@ -83,9 +87,8 @@ def build_from_dir(directory: str, overrides: dict | None = None,
         for name, param in list(hf_model.named_parameters(remove_duplicate=False)):
             if id(param) not in stand_ins:
                 kind = dtype if param.is_floating_point() else param.dtype
-                stand_ins[id(param)] = torch.nn.Parameter(
-                    torch.empty((), dtype=kind).expand(param.shape),
-                    requires_grad=param.requires_grad)
+                stand_ins[id(param)] = torch.nn.Parameter(  # never written: no pages
+                    torch.empty(param.shape, dtype=kind), requires_grad=param.requires_grad)
             set_parameter(hf_model, name, stand_ins[id(param)])
     hf_model.config.dtype = dtype
     model = HFCausalLM(hf_model)
