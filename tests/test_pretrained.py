@@ -119,3 +119,20 @@ def test_missing_tensor_is_named(tmp_path):
     save_file(tensors, str(directory / "model.safetensors"))
     with pytest.raises(UserError, match="has no tensor model.norm.weight"):
         load_weights(mxgraph.hf.load(str(directory)))
+
+
+def test_sharded_checkpoint_loads_as_transformers_loads_it(tmp_path):
+    """A directory of several safetensors files with model.safetensors.index.json (as
+    save_pretrained writes above max_shard_size): every parameter bitwise as transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    import mxgraph.hf
+    from mxgraph.pretrained import load_weights
+    AutoModelForCausalLM.from_pretrained(save_model_dir(tmp_path / "one", "llama")) \
+        .save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    model = mxgraph.hf.load(str(tmp_path / "sharded"))
+    load_weights(model)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded")
+    for name, tensor in reference.named_parameters():
+        assert torch.equal(model.model.get_parameter(name), tensor), name
