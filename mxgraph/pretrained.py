@@ -38,7 +38,7 @@ import torch
 
 from mxgraph.capture import set_parameter
 from mxgraph.errors import UserError
-from mxgraph.hf import HFCausalLM, hf_config
+from mxgraph.hf import INSTALL_HINT, HFCausalLM, hf_config
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -58,7 +58,11 @@ def weight_files(directory: str) -> dict[str, str]:
             weight_map = json.load(f).get("weight_map", {})
         return {key: os.path.join(directory, name) for key, name in weight_map.items()}
     if os.path.isfile(single):
-        from safetensors import safe_open
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise UserError(f"reading {single} needs the safetensors package: "
+                            f"{INSTALL_HINT}") from None
         with safe_open(single, framework="pt") as f:
             return dict.fromkeys(f.keys(), single)
     raise UserError(f"{directory} has no {WEIGHTS} or {INDEX}; save the model there with "
@@ -72,9 +76,9 @@ def build_from_dir(directory: str, overrides: dict | None = None,
     built on the meta device, its buffers computed as transformers computes them (on the
     CPU), every parameter an unwritten `torch.empty` of `dtype` (no resident memory) until
     `load_weights`. `model.pretrained_dir` remembers where the weights are."""
-    import transformers
     weight_files(directory)  # the UserError for a directory without weights, first
-    config = hf_config(os.path.join(directory, "config.json"), overrides)
+    config = hf_config(os.path.join(directory, "config.json"), overrides)  # or: no transformers
+    import transformers
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     for module in hf_model.modules():
