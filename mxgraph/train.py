@@ -154,8 +154,9 @@ def _init_distributed() -> int:
 def build_training_model(cfg: TrainConfig) -> torch.nn.Module:
     """The model `cfg.model` names, with `cfg.model_config`'s overrides: a preset
     (`models.build_model`) or a Hugging Face model (`hf:<model_type>` or a config.json,
-    `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws it away). Either has
-    `.config.vocab_size`."""
+    `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws it away), or a
+    pretrained model directory (`mxgraph.pretrained.build_from_dir`: no weights until
+    `load_weights` after compile). Each has `.config.vocab_size`."""
     import models
 
     dtype = getattr(torch, cfg.dtype)
