@@ -146,9 +146,13 @@ def check_model(args) -> None:
     missing transformers, or a --model-config key or value the model's config rejects;
     only configs are made, no model."""
     from mxgraph.hf import hf_config, is_hf_spec, parse_overrides
+    from mxgraph.pretrained import is_model_dir, weight_files
     overrides = parse_overrides(args.model_config)
-    if is_hf_spec(args.model):
-        config = hf_config(args.model, overrides)
+    if is_model_dir(args.model):
+        weight_files(args.model)  # a UserError for a directory without weights
+    if is_hf_spec(args.model) or is_model_dir(args.model):
+        spec = os.path.join(args.model, "config.json") if is_model_dir(args.model) else args.model
+        config = hf_config(spec, overrides)
         positions = getattr(config, "max_position_embeddings", None)
         if isinstance(positions, int) and args.seq_len > positions:
             raise UserError(f"--seq-len {args.seq_len} is longer than {args.model}'s "
@@ -226,6 +230,13 @@ def _inspect(args) -> int:
     return inspect_main(args)
 
 
+def _export(args) -> int:
+    from mxgraph.export import export
+    written = export(args.checkpoint, args.hf, args.max_shard_size, progress=not args.no_progress)
+    print(f"wrote {len(written)} files to {args.hf}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mxgraph")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
@@ -291,6 +302,19 @@ def build_parser() -> argparse.ArgumentParser:
                          help="show which ops two passes' graphs differ in")
     inspect.set_defaults(run=_inspect)
     add_search_parser(commands, [debug], models)
+    export = commands.add_parser("export", parents=[debug],
+                                 help="write a checkpoint of mxgraph train as a Hugging Face "
+                                      "model directory (any layout: shards are gathered)")
+    export.add_argument("checkpoint", help="a committed step directory, or a --checkpoint-dir "
+                                           "(its newest committed step)")
+    export.add_argument("--hf", required=True, metavar="OUT",
+                        help="new or empty directory for config.json, the safetensors and "
+                             "the tokenizer files of the model directory the run started from")
+    export.add_argument("--max-shard-size", default="5GB",
+                        help="largest safetensors file (bytes, or e.g. 5GB, 500MB); more "
+                             "files come with model.safetensors.index.json")
+    export.add_argument("--no-progress", action="store_true", help="no progress bar")
+    export.set_defaults(run=_export)
     add_data_parser(commands, [debug])
     parser.description = ("Compile and run PyTorch training steps. Commands: "
                           f"{', '.join(commands.choices)}; 'mxgraph COMMAND --help' for one.")

@@ -19,10 +19,12 @@ from tqdm import tqdm
 import mxgraph
 from mxgraph.data import Batches, split
 from mxgraph.errors import DataError, UserError
+from mxgraph.export import export_info
 from mxgraph.hf import build_hf_model, hf_config, is_hf_spec, parse_overrides
 from mxgraph.metrics import RunMetrics, check_metrics_flags, count_flops, moe_kind
 from mxgraph.packed import PackedBatches
 from mxgraph.plan import Plan
+from mxgraph.pretrained import build_from_dir, is_model_dir, load_weights
 from mxgraph.runtime.checkpoint.flash import FlashCheckpointer
 from mxgraph.runtime.cluster.device import detect
 from mxgraph.runtime.cluster.launch import init_from_environment
@@ -42,7 +44,9 @@ class TrainConfig:
     model: str = "llama-tiny"
     """Model preset (see `models.list_presets()`), or a Hugging Face transformers model with
     random weights: hf:<model_type> (e.g. hf:llama, hf:mixtral; the full-size defaults unless
-    --model-config shrinks them) or the path of a config.json (needs pip install mxgraph[hf])."""
+    --model-config shrinks them) or the path of a config.json, or a pretrained one: a
+    directory with config.json and model.safetensors (or model.safetensors.index.json), each
+    rank reading only its part (needs pip install mxgraph[hf])."""
     model_config: str | None = None
     """Overrides of the model's config, key=value,...: fields of the preset's config (e.g.
     n_layers=2) or of the Hugging Face config (e.g. hidden_size=64,num_hidden_layers=2)."""
@@ -187,12 +191,17 @@ def _init_distributed() -> int:
 def build_training_model(cfg: TrainConfig) -> torch.nn.Module:
     """The model `cfg.model` names, with `cfg.model_config`'s overrides: a preset
     (`models.build_model`) or a Hugging Face model (`hf:<model_type>` or a config.json,
-    `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws it away). Either has
-    `.config.vocab_size`."""
+    `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws it away), or a
+    pretrained model directory (`mxgraph.pretrained.build_from_dir`: no weights until
+    `load_weights` after compile). Each has `.config.vocab_size`."""
     import models
 
     dtype = getattr(torch, cfg.dtype)
     overrides = parse_overrides(cfg.model_config)
+    if is_model_dir(cfg.model):  # its weights are read after compile: `load_weights`
+        model = build_from_dir(cfg.model, overrides, dtype=dtype)
+        model.config.use_cache = False
+        return model
     if is_hf_spec(cfg.model):
         model = build_hf_model(cfg.model, overrides, dtype=dtype)
         model.config.use_cache = False
@@ -206,6 +215,8 @@ def model_vocab_size(cfg: TrainConfig) -> int:
     import models
 
     overrides = parse_overrides(cfg.model_config)
+    if is_model_dir(cfg.model):
+        return hf_config(os.path.join(cfg.model, "config.json"), overrides).vocab_size
     if is_hf_spec(cfg.model):
         return hf_config(cfg.model, overrides).vocab_size
     return dataclasses.replace(models.preset_config(cfg.model), **overrides).vocab_size
@@ -249,6 +260,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         step_fn.guard = guard
     if not cfg.eager and plan.pp > 1:
         release_other_stages(model, step_fn)
+    if is_model_dir(cfg.model):  # this rank's slices of the pretrained weights, before
+        load_weights(model, None if cfg.eager else step_fn,  # zero1 copies them to shards
+                     progress=progress and rank == 0)
     params = list(model.parameters() if cfg.eager else step_fn.parameters())
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(0.9, 0.95))
@@ -260,6 +274,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             FlashCheckpointer.from_env(cfg.checkpoint_dir, keep=cfg.keep,
                                        run_id=run_id_for(cfg.checkpoint_dir)),
             plan, named, optimizer, batches)
+        checkpoints.export_info = export_info(cfg, step_fn)  # for `mxgraph export`
     if cfg.resume or restart:  # a restarted worker resumes by itself
         try:
             start_step = checkpoints.resume(restart, started)

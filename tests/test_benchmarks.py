@@ -291,3 +291,17 @@ def test_search(load, tmp_path):
     assert summary["plans"] == 1 and summary["spearman"] is None  # one plan: no order
     top1 = summary["top1"]["llama-tiny"]
     assert top1["best_measured"] == "llama dp4" and top1["top1"]["step_s"] > 0
+
+
+@pytest.mark.slow
+def test_load_memory(load, tmp_path):
+    """Two ranks load a small saved Llama under tp=2: each reports its memory, and holds
+    about half the model (norms whole, every matrix and the embeddings halved)."""
+    out = tmp_path / "load_memory.json"
+    load("bench_load_memory").main(["--hidden", "256", "--layers", "1", "--vocab", "1024",
+                                    "--intermediate", "512", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    for row in data["ranks"]:
+        assert 0.45 * data["model_mib"] < row["held_parameters_mib"] < 0.55 * data["model_mib"]
+        assert row["peak_during_load_mib"] >= row["rss_after_compile_mib"] > 0
