@@ -17,7 +17,7 @@ import models
 from mxgraph.data_cli import add_data_parser
 from mxgraph.errors import PlanError, UserError
 from mxgraph.search.cli import add_search_parser
-from mxgraph.train import TrainConfig
+from mxgraph.train_config import TrainConfig
 
 USER_ERRORS = (UserError, models.UnknownPresetError)
 DEBUG_HELP = "show the full traceback of a user error instead of one line"
