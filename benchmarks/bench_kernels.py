@@ -54,6 +54,9 @@ class Case:
     fwd_flops: int = 0
     bwd_flops: int = 0
     backward: bool = True
+    checked: bool = True
+    """Whether the fused op's outputs and gradients are compared with eager's (`err`); not
+    for a random mask drawn by each its own way (dropout)."""
 
 
 # --------------------------------------------------------------------------- eager code
@@ -110,7 +113,7 @@ def make_cases(tokens: int, hidden: int, dtype: torch.dtype, device: str, seq: i
         Case(kernel="bias_dropout_add", shape=f"[{t},{h}] p=0.1",
              make_inputs=lambda: (rnd(t, h), rnd(h), rnd(t, h)),
              eager=lambda x, b, r: r + F.dropout(x + b, p=0.1, training=True),
-             fused=lambda x, b, r: ops.bias_dropout_add(x, b, r, 0.1, True, 1234, 0),
+             fused=lambda x, b, r: ops.bias_dropout_add(x, b, r, 0.1, True, 1234, 0), checked=False,
              fwd_bytes=3 * n * es, bwd_bytes=2 * n * es),
         Case(kernel="rmsnorm", shape=f"[{t},{h}]", make_inputs=lambda: (rnd(t, h), rnd(h)),
              eager=lambda x, w: F.rms_norm(x, (h,), w, 1e-6), fused=lambda x, w: ops.rmsnorm(x, w, 1e-6)[0],
@@ -238,6 +241,33 @@ def _peak_mib(fn, device) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+TOLERANCE = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2}
+"""Largest `err` (per output and gradient: max |fused - eager| / max |eager|) that passes."""
+
+
+def _values(fn, inputs, backward: bool) -> list[torch.Tensor]:
+    """`fn`'s floating outputs and, with `backward`, the gradients of the inputs that need
+    one for an all-ones output gradient (as `_fwd_bwd` times it), in fp32."""
+    leaves = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+    outs = [o for o in _as_tuple(fn(*inputs)) if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    values = [o.detach().float() for o in outs]
+    differentiable = [o for o in outs if o.requires_grad]
+    if backward and differentiable:
+        grads = torch.autograd.grad(differentiable, leaves, [torch.ones_like(o) for o in differentiable],
+                                    allow_unused=True)
+        values += [g.float() for g in grads if g is not None]
+    return values
+
+
+def error(fn, reference, inputs, backward: bool) -> float:
+    """Largest relative error of `fn`'s outputs (and gradients) against `reference`'s."""
+    actual, expected = _values(fn, inputs, backward), _values(reference, inputs, backward)
+    if len(actual) != len(expected):
+        return float("inf")
+    return max(((a - e).abs().max() / e.abs().max().clamp_min(1e-12)).item()
+               for a, e in zip(actual, expected, strict=True))
+
+
 def run_case(case: Case, args, device: str, copy_gbps: float) -> list[dict]:
     inputs = case.make_inputs()
     impls = {"eager": case.eager, "fused": case.fused}
@@ -257,6 +287,9 @@ def run_case(case: Case, args, device: str, copy_gbps: float) -> list[dict]:
                             fn(*inputs)
                 else:
                     step = _fwd_bwd(fn, inputs)
+                if case.checked and name != "eager":
+                    row["err"] = error(fn, case.eager, inputs, phase != "fwd")
+                    row["ok"] = row["err"] <= TOLERANCE[args.dtype]
                 ms = time_ms(step, device, args.warmup, args.iters)
                 row.update(ms=ms, gbps=nbytes / ms / 1e6, copy_frac=nbytes / ms / 1e6 / copy_gbps,
                            tflops=flops / ms / 1e9 if flops else None, peak_mib=_peak_mib(step, device))
@@ -292,7 +325,7 @@ SUITES: dict[str, Callable] = {"kernels": bench_kernel_cases}
 
 # --------------------------------------------------------------------------- output
 _COLS = [("kernel", 22), ("shape", 44), ("phase", 8), ("impl", 8), ("ms", 9), ("gbps", 8), ("copy_frac", 9),
-         ("tflops", 7), ("peak_mib", 9), ("speedup_vs_eager", 8)]
+         ("tflops", 7), ("peak_mib", 9), ("speedup_vs_eager", 8), ("err", 9)]
 
 
 def _fmt(v, width):
@@ -308,7 +341,8 @@ def print_rows(rows, header=True):
         print(" ".join(name[:w].ljust(w) for name, w in _COLS))
     for r in rows:
         line = " ".join(_fmt(r.get(name), w) for name, w in _COLS)
-        print(line + (f"  ERROR {r['error']}" if "error" in r else ""), flush=True)
+        print(line + (f"  ERROR {r['error']}" if "error" in r else "")
+              + (f"  WRONG (err above {TOLERANCE})" if r.get("ok") is False else ""), flush=True)
 
 
 def parse_args(argv=None):
@@ -352,7 +386,10 @@ def main(argv=None) -> int:
             json.dump(dict(device=name, dtype=args.dtype, copy_bandwidth_gbps=copy_gbps, torch=torch.__version__,
                            suite=args.suite, results=rows), f, indent=1)
         print(f"wrote {args.out}")
-    return 0
+    wrong = [f"{r['kernel']} {r['shape']} {r['phase']} {r['impl']}" for r in rows if r.get("ok") is False]
+    if wrong:
+        print(f"{len(wrong)} implementation(s) differ from eager beyond the tolerance: {'; '.join(wrong)}")
+    return 1 if wrong else 0
 
 
 

@@ -6,7 +6,9 @@ run on it (`driver.run_graph_passes`), then AOTAutograd derives the joint graph;
 partition function runs the driver's joint passes before the min-cut partitioner splits it
 into forward and backward. Registered under the `torch_dynamo_backends` entry point, so no
 import is needed. Options: `torch.compile(..., options={"plan": Plan(...)})` (one-device
-plans only).
+plans only). The forward and backward compilers are `plan.codegen_for` the region's device:
+by default Inductor on a GPU (so switching from `backend="inductor"` loses none of its
+fusion) and fx Python code on the CPU; `Plan(codegen="inductor")` asks for Inductor there.
 
 The region's functional forward is differentiated again by AOTAutograd, so the ops
 functionalization leaves without an autograd formula are decomposed into differentiable ones
@@ -75,9 +77,9 @@ def _lowered(gm, example_inputs, *, title: str):
     return make_boxed_func(fn)
 
 
-def _compilers(plan: Plan, region: str) -> dict:
-    """fw_compiler and bw_compiler for `plan.codegen`."""
-    if plan.codegen != "inductor":
+def _compilers(plan: Plan, region: str, device_type: str) -> dict:
+    """fw_compiler and bw_compiler for `plan.codegen_for(device_type)`."""
+    if plan.codegen_for(device_type) != "inductor":
         return {"fw_compiler": _boxed, "bw_compiler": _boxed}
     return {f"{kind}_compiler": functools.partial(_lowered, title=f"{region}, {name}")
             for kind, name in (("fw", "forward"), ("bw", "backward"))}
@@ -100,7 +102,8 @@ def mxmaca_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         # views that merge dims reshape, as in the evaluation pipeline
         forward = safe_views_pass(run_graph_passes("forward", forward, ctx), ctx)
         forward.recompile()
-    compilers = _compilers(plan, region)
+    devices = [v.device.type for v in example_inputs if isinstance(v, torch.Tensor)]
+    compilers = _compilers(plan, region, devices[0] if devices else "cpu")
     compiler = aot_autograd(**compilers, partition_fn=functools.partial(_partition, ctx=ctx),
                             keep_inference_input_mutations=True)
     if forward is None:

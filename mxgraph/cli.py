@@ -14,9 +14,10 @@ import sys
 import traceback
 
 import models
+from mxgraph.data_cli import add_data_parser
 from mxgraph.errors import PlanError, UserError
 from mxgraph.search.cli import add_search_parser
-from mxgraph.train import TrainConfig
+from mxgraph.train_config import TrainConfig
 
 USER_ERRORS = (UserError, models.UnknownPresetError)
 DEBUG_HELP = "show the full traceback of a user error instead of one line"
@@ -100,7 +101,6 @@ def check_train_inputs(args) -> None:
     """UserError for a bad model, plan, data file or dtype before anything is built (or
     torchrun starts processes), so that a mistake costs no model construction."""
 
-    from mxgraph.data import check_source
     from mxgraph.plan import Plan, require_built
     from mxgraph.train_precision import plan_with_precision
     check_model(args)
@@ -114,8 +114,6 @@ def check_train_inputs(args) -> None:
             raise PlanError(f"{args.plan or 'the default plan'} on {world_size} process(es): "
                             f"{error} (--nproc N starts N)") from None
         require_built(plan)
-    if args.data:
-        check_source(args.data)
     if args.save_every or args.resume:
         from mxgraph.train_state import check_checkpoint_dir
         check_checkpoint_dir(args.checkpoint_dir)
@@ -128,9 +126,18 @@ def check_train_inputs(args) -> None:
         raise UserError(f"--max-restarts {args.max_restarts} must be 0 or more")
     from mxgraph.train import nonfinite_guard
     nonfinite_guard(args)  # a UserError for a bad policy or limit
+    from mxgraph.metrics import check_metrics_flags
+    check_metrics_flags(args)  # --eval-every, --log-every, --report-to, --device-profile
     if args.max_restarts and not args.save_every:
         print("mxgraph: warning: --max-restarts without --save-every N: a restart starts "
               "again at step 0", file=sys.stderr)
+    from mxgraph.train import model_vocab_size
+    from mxgraph.training_data import check_training_data
+    # last (it may read all the data): outside torchrun's workers the token file is made
+    # here, before any worker starts
+    check_training_data(args.data, args.tokenizer, args.data_field, args.model,
+                        lambda: model_vocab_size(args), args.batch_size, args.seq_len,
+                        prepare="LOCAL_RANK" not in os.environ, progress=not args.no_progress)
 
 
 def check_model(args) -> None:
@@ -138,9 +145,13 @@ def check_model(args) -> None:
     missing transformers, or a --model-config key or value the model's config rejects;
     only configs are made, no model."""
     from mxgraph.hf import hf_config, is_hf_spec, parse_overrides
+    from mxgraph.pretrained import is_model_dir, weight_files
     overrides = parse_overrides(args.model_config)
-    if is_hf_spec(args.model):
-        config = hf_config(args.model, overrides)
+    if is_model_dir(args.model):
+        weight_files(args.model)  # a UserError for a directory without weights
+    if is_hf_spec(args.model) or is_model_dir(args.model):
+        spec = os.path.join(args.model, "config.json") if is_model_dir(args.model) else args.model
+        config = hf_config(spec, overrides)
         positions = getattr(config, "max_position_embeddings", None)
         if isinstance(positions, int) and args.seq_len > positions:
             raise UserError(f"--seq-len {args.seq_len} is longer than {args.model}'s "
@@ -163,6 +174,7 @@ def _train(args) -> int:
     check_train_inputs(args)
     if args.nproc > 1 or args.max_restarts > 0 or args.rdzv_endpoint:
         return _launch(args)
+    from mxgraph.metrics import format_mfu
     from mxgraph.runtime.cluster.launch import close_process_group
     from mxgraph.runtime.health import NonFiniteError
     from mxgraph.train import log_to_console, train
@@ -183,7 +195,7 @@ def _train(args) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"train loss {result['train_loss']:.4f} | validation loss "
               f"{result['val_loss']:.4f} nats/token | {result['tokens_per_s']:,.0f} tokens/s | "
-              f"{result['seconds']:.1f} s")
+              f"{format_mfu(result['mfu'])} | {result['seconds']:.1f} s")
         if args.profile:
             print(f"profiler traces (one per rank): {args.profile}/rank*.json; read them with "
                   f"mxgraph inspect --overlap {args.profile}")
@@ -215,6 +227,13 @@ def _launch(args) -> int:
 def _inspect(args) -> int:
     from mxgraph.inspect import main as inspect_main
     return inspect_main(args)
+
+
+def _export(args) -> int:
+    from mxgraph.export import export
+    written = export(args.checkpoint, args.hf, args.max_shard_size, progress=not args.no_progress)
+    print(f"wrote {len(written)} files to {args.hf}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -283,6 +302,20 @@ def build_parser() -> argparse.ArgumentParser:
                          help="show which ops two passes' graphs differ in")
     inspect.set_defaults(run=_inspect)
     add_search_parser(commands, [debug], models)
+    export = commands.add_parser("export", parents=[debug],
+                                 help="write a checkpoint of mxgraph train as a Hugging Face "
+                                      "model directory (any layout: shards are gathered)")
+    export.add_argument("checkpoint", help="a committed step directory, or a --checkpoint-dir "
+                                           "(its newest committed step)")
+    export.add_argument("--hf", required=True, metavar="OUT",
+                        help="new or empty directory for config.json, the safetensors and "
+                             "the tokenizer files of the model directory the run started from")
+    export.add_argument("--max-shard-size", default="5GB",
+                        help="largest safetensors file (bytes, or e.g. 5GB, 500MB); more "
+                             "files come with model.safetensors.index.json")
+    export.add_argument("--no-progress", action="store_true", help="no progress bar")
+    export.set_defaults(run=_export)
+    add_data_parser(commands, [debug])
     parser.description = ("Compile and run PyTorch training steps. Commands: "
                           f"{', '.join(commands.choices)}; 'mxgraph COMMAND --help' for one.")
     return parser

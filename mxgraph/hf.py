@@ -210,3 +210,13 @@ def build_hf_model(spec: str, overrides: dict | None = None,
             param.data = param.data.to(dtype)
     hf_model.config.dtype = dtype
     return HFCausalLM(hf_model)
+
+
+def load(directory: str, overrides: dict | None = None,
+         dtype: torch.dtype = torch.float32) -> HFCausalLM:
+    """A pretrained model directory (config.json + model.safetensors or its sharded index)
+    as an `HFCausalLM` without its weights yet (meta-built, unwritten stand-ins): compile
+    it, then `mxgraph.pretrained.load_weights(model, step)` reads each rank's slices (or
+    `load_weights(model)` the whole model, to run it eagerly). See `mxgraph/pretrained.py`."""
+    from mxgraph.pretrained import build_from_dir
+    return build_from_dir(directory, overrides, dtype)

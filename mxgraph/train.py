@@ -2,13 +2,13 @@
 given data."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,10 +16,14 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import mxgraph
-from mxgraph.data import Batches, load_tokens, split
+from mxgraph.data import Batches, split
 from mxgraph.errors import DataError, UserError
-from mxgraph.hf import build_hf_model, is_hf_spec, parse_overrides
+from mxgraph.export import export_info
+from mxgraph.hf import build_hf_model, hf_config, is_hf_spec, parse_overrides
+from mxgraph.metrics import RunMetrics, check_metrics_flags, count_flops, moe_kind
+from mxgraph.packed import PackedBatches
 from mxgraph.plan import Plan
+from mxgraph.pretrained import build_from_dir, is_model_dir, load_weights
 from mxgraph.runtime.checkpoint.flash import FlashCheckpointer
 from mxgraph.runtime.cluster.device import detect
 from mxgraph.runtime.cluster.launch import init_from_environment
@@ -27,92 +31,12 @@ from mxgraph.runtime.grad_norm import named_gradient_pieces
 from mxgraph.runtime.health import Drill, Guard, NonFiniteError, Verdict, locate
 from mxgraph.runtime.monitor.slow_node import MonitorConfig, StepMonitor
 from mxgraph.runtime.precision import PARAM_DTYPE
+from mxgraph.train_config import TrainConfig
 from mxgraph.train_precision import check_precision_flags, plan_with_precision
 from mxgraph.train_state import RunCheckpoints, check_checkpoint_dir, run_id_for
+from mxgraph.training_data import training_data
 
 log = logging.getLogger("mxgraph.train")
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """What `mxgraph train` runs; each field is a CLI flag of the same name."""
-
-    model: str = "llama-tiny"
-    """Model preset (see `models.list_presets()`), or a Hugging Face transformers model with
-    random weights: hf:<model_type> (e.g. hf:llama, hf:mixtral; the full-size defaults unless
-    --model-config shrinks them) or the path of a config.json (needs pip install mxgraph[hf])."""
-    model_config: str | None = None
-    """Overrides of the model's config, key=value,...: fields of the preset's config (e.g.
-    n_layers=2) or of the Hugging Face config (e.g. hidden_size=64,num_hidden_layers=2)."""
-    plan: str | None = None
-    """Plan TOML file; default = one device, no rewrites."""
-    steps: int = 600
-    """Optimizer steps applied (a step --on-nonfinite skips or rolls back is not counted)."""
-    batch_size: int = 16
-    """Sequences per step (per data-parallel rank)."""
-    seq_len: int = 128
-    """Tokens per sequence."""
-    lr: float = 3e-3
-    """Peak learning rate (AdamW; linear warm-up then cosine decay to lr/10)."""
-    warmup: int = 50
-    """Warm-up steps."""
-    weight_decay: float = 0.1
-    """AdamW weight decay."""
-    data: str | None = None
-    """Text file (bytes are tokens) or .npy of token ids; default = built-in stdlib text."""
-    val_batches: int = 20
-    """Batches averaged for the validation loss at the end."""
-    seed: int = 0
-    """Seed for initialisation and data order."""
-    precision: str | None = None
-    """fp32 (default), bf16-mixed (bf16 parameters in the compiled step; fp32 gradient
-    accumulation, data-parallel reduction, clipping, AdamW and master weights, which
-    checkpoints save) or bf16 (pure: parameters, gradients and AdamW state in bf16). Or
-    set precision in the --plan file."""
-    dtype: str | None = None
-    """Older spelling: float32 = --precision fp32, bfloat16 = --precision bf16."""
-    eager: bool = False
-    """Run the model eagerly instead of compiling (for comparison)."""
-    save_every: int = 0
-    """Flash-checkpoint every N steps (0 = never); see --checkpoint-dir."""
-    checkpoint_dir: str = "runs/checkpoints"
-    """Where committed checkpoints go (torch.distributed.checkpoint format)."""
-    resume: bool = False
-    """Resume from the newest intact snapshot: in memory if every rank has it, else disk."""
-    keep: int = 2
-    """Committed checkpoints kept on disk (every one of a healthy state: a step with a
-    non-finite loss, gradient or parameter is never saved)."""
-    on_nonfinite: str = "stop"
-    """What a step whose loss or gradient norm is NaN or Inf does: stop (end the run before
-    its update, exit status 2, the last good checkpoint intact), skip (no update, the data
-    moves on), or rollback (reload the newest snapshot from memory and skip the batches read
-    since; needs --save-every). The log names the step, the ranks and the first non-finite
-    parameter."""
-    max_skips: int = 10
-    """skip and rollback: the run stops after this many such steps in a row."""
-    loss_spike: float = 0.0
-    """A loss above this many times the median of the last --loss-spike-window applied
-    steps' losses is handled as --on-nonfinite says (0 = off)."""
-    loss_spike_window: int = 100
-    """Steps whose median loss --loss-spike compares with."""
-    profile: str | None = None
-    """Directory for a torch.profiler Chrome trace per rank, DIR/rank{R}.json (CPU activity;
-    CUDA too on a GPU). Steps 1-2 are warm-up (the first runs allocate, the second starts
-    the profiler) and are not recorded; then --profile-steps steps are (with fewer than 3
-    steps: every step). Read one with mxgraph inspect --overlap DIR/rank0.json."""
-    profile_steps: int = 4
-    """Steps --profile records after its 2 warm-up steps."""
-    monitor_level: int = 0
-    """Slow-node detection on every rank: 0 times each step's data, forward+backward,
-    gradient synchronisation and optimizer (ms per step); 1 also every layer's forward and
-    backward and every collective (its transfer and its wait apart) inside the compiled
-    step; 2 also every op (torch.profiler, slow). Each report interval the ranks compare
-    their sections with the median of ranks; findings go to the log and --monitor-json."""
-    monitor_every: int = 10
-    """Steps per report interval; a section slow in 2 intervals in a row is reported."""
-    monitor_json: str = "runs/slow_nodes.jsonl"
-    """Where rank 0 appends each finding as a JSON line (step, rank, host, section, kind,
-    value_ms, reference_ms, slowdown against the median of ranks)."""
 
 
 class _ConsoleHandler(logging.Handler):
@@ -157,13 +81,18 @@ def _init_distributed() -> int:
 def build_training_model(cfg: TrainConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """The model `cfg.model` names, with `cfg.model_config`'s overrides: a preset
     (`models.build_model`) or a Hugging Face model (`hf:<model_type>` or a config.json,
-    `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws it away). Either has
-    `.config.vocab_size`. `dtype`: its parameters' (default: those of the precision that
-    --precision or --dtype ask for, `PARAM_DTYPE`)."""
+    `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws it away), or a
+    pretrained model directory (`mxgraph.pretrained.build_from_dir`: no weights until
+    `load_weights` after compile). Each has `.config.vocab_size`. `dtype`: its parameters'
+    (default: those of the precision that --precision or --dtype ask for, `PARAM_DTYPE`)."""
     import models
 
     dtype = dtype or PARAM_DTYPE[check_precision_flags(cfg.precision, cfg.dtype) or "fp32"]
     overrides = parse_overrides(cfg.model_config)
+    if is_model_dir(cfg.model):  # its weights are read after compile: `load_weights`
+        model = build_from_dir(cfg.model, overrides, dtype=dtype)
+        model.config.use_cache = False
+        return model
     if is_hf_spec(cfg.model):
         model = build_hf_model(cfg.model, overrides, dtype=dtype)
         model.config.use_cache = False
@@ -171,38 +100,62 @@ def build_training_model(cfg: TrainConfig, dtype: torch.dtype | None = None) -> 
     return models.build_model(cfg.model, dtype=dtype, **overrides)
 
 
+def model_vocab_size(cfg: TrainConfig) -> int:
+    """The vocabulary of the model `cfg.model` names (with `cfg.model_config`'s overrides),
+    read from its config alone: no model is built."""
+    import models
+
+    overrides = parse_overrides(cfg.model_config)
+    if is_model_dir(cfg.model):
+        return hf_config(os.path.join(cfg.model, "config.json"), overrides).vocab_size
+    if is_hf_spec(cfg.model):
+        return hf_config(cfg.model, overrides).vocab_size
+    return dataclasses.replace(models.preset_config(cfg.model), **overrides).vocab_size
+
+
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
-    """Train; returns {"train_loss" (the last applied step's), "val_loss", "tokens_per_s",
-    "seconds", "start_step", "skipped" and "rollbacks" (steps the non-finite policy did
-    not apply), "parameters" (name -> this rank's tensor after the run: its shards, its
-    stages), "optimized" (name -> what the optimizer updated: the same, or the fp32 master
-    weights under bf16-mixed, the flat shards under zero1)}. Raises NonFiniteError when the
-    policy stops the run."""
+    """Train; returns {"train_loss" (the last applied step's), "val_loss", "tokens_per_s"
+    (of one data-parallel rank, periodic validation left out), "mfu"
+    (`metrics.RunMetrics.mfu`; NaN without a device profile), "seconds", "start_step",
+    "skipped" and "rollbacks" (steps the non-finite policy did not apply), "parameters"
+    (name -> this rank's tensor after the run: its shards, its stages), "optimized" (name ->
+    what the optimizer updated: the same, or the fp32 master weights under bf16-mixed, the
+    flat shards under zero1)}. Raises NonFiniteError when the policy stops the run."""
     started = time.perf_counter()
     guard = nonfinite_guard(cfg)
+    check_metrics_flags(cfg)
     if cfg.save_every or cfg.resume:
         check_checkpoint_dir(cfg.checkpoint_dir)
     rank = _init_distributed()
     seed_everything(cfg.seed)
     plan = plan_with_precision(Plan.from_toml(cfg.plan) if cfg.plan else Plan(), cfg.precision,
                                cfg.dtype, cfg.eager, cfg.plan)
+    data = training_data(cfg.data, cfg.tokenizer, cfg.data_field, cfg.model,
+                         lambda: model_vocab_size(cfg), cfg.batch_size, cfg.seq_len,
+                         progress=progress and rank == 0)  # tokenized once, before the model
     model = build_training_model(cfg, PARAM_DTYPE[plan.precision])
     vocab = model.config.vocab_size
-    tokens = load_tokens(cfg.data)
-    if int(tokens.max()) >= vocab:
+    tokens = data.tokens
+    if not data.packed and int(tokens.max()) >= vocab:  # a tokenizer's ids were checked
         raise DataError(f"data has token id {int(tokens.max())} but {cfg.model} has "
                         f"vocab_size={vocab}; choose a model with a larger vocabulary or "
                         f"set --model-config vocab_size={int(tokens.max()) + 1}")
     train_tokens, val_tokens = split(tokens)
+    flops_per_token = count_flops(model, train_tokens, cfg.seq_len)  # whole model, uncompiled
+    moe = moe_kind(model, None if cfg.eager else plan.moe.capacity_factor)
     step_fn = model if cfg.eager else mxgraph.compile(model, plan)
     dp_rank = 0 if cfg.eager else step_fn.mesh.coords["dp"]
-    batches = Batches(train_tokens, cfg.batch_size, cfg.seq_len, seed=cfg.seed + dp_rank)
+    dp_size = 1 if cfg.eager else step_fn.mesh.sizes["dp"]
+    batches = data.batches(train_tokens, cfg.batch_size, cfg.seq_len, cfg.seed, dp_rank, dp_size)
     monitor = slow_node_monitor(cfg, step_fn, rank)
     if not cfg.eager:  # compile first: with pp, this rank's parameters are known after
         step_fn.prepare(*batches.peek())
         step_fn.guard = guard
     if not cfg.eager and plan.pp > 1:
         release_other_stages(model, step_fn)
+    if is_model_dir(cfg.model):  # this rank's slices of the pretrained weights, before
+        load_weights(model, None if cfg.eager else step_fn,  # zero1 copies them to shards
+                     progress=progress and rank == 0)
     params = list(model.parameters() if cfg.eager else step_fn.parameters())
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                   betas=(0.9, 0.95))
@@ -214,6 +167,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             FlashCheckpointer.from_env(cfg.checkpoint_dir, keep=cfg.keep,
                                        run_id=run_id_for(cfg.checkpoint_dir)),
             plan, named, optimizer, batches)
+        checkpoints.export_info = export_info(cfg, step_fn)  # for `mxgraph export`
     if cfg.resume or restart:  # a restarted worker resumes by itself
         try:
             start_step = checkpoints.resume(restart, started)
@@ -222,7 +176,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             raise
     if cfg.save_every and start_step == 0:  # the initial state: what a NaN before the
         checkpoints.save(0, {}, background=False)  # first save rolls back (or resumes) to
-    loop = _Loop(cfg, step_fn, optimizer, batches, guard, monitor, checkpoints, rank)
+    metrics = RunMetrics.for_run(cfg, step_fn, flops_per_token, moe, rank, start_step,
+                                 evaluate=lambda: evaluate(step_fn, val_tokens, cfg, packed=data.packed))
+    loop = _Loop(cfg, step_fn, optimizer, batches, guard, monitor, checkpoints, rank, metrics)
     try:
         loop.run(start_step, progress)
     except NonFiniteError as error:
@@ -231,14 +187,18 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
             checkpoints.checkpointer.close()
             where = checkpoints.last_good()
         raise NonFiniteError(f"{error}; {where}") from None
+    finally:
+        metrics.close()
     if checkpoints is not None:
         checkpoints.checkpointer.close()
     if not cfg.eager:
         step_fn.sync_parameters()  # zero1: the last update is still in the shards
-    val_loss = evaluate(step_fn, val_tokens, cfg)
+    val_loss = evaluate(step_fn, val_tokens, cfg, packed=data.packed)
     held = model.named_parameters() if cfg.eager else step_fn.model_parameters()
+    tokens_per_s = max(1, loop.iterations) * cfg.batch_size * cfg.seq_len / max(
+        1e-9, loop.seconds - metrics.eval_seconds)  # periodic validation left out
     return {"train_loss": loop.loss, "val_loss": val_loss, "seconds": loop.seconds,
-            "tokens_per_s": max(1, loop.iterations) * cfg.batch_size * cfg.seq_len / loop.seconds,
+            "tokens_per_s": tokens_per_s, "mfu": metrics.mfu(tokens_per_s),
             "start_step": start_step, "skipped": loop.count("skip"),
             "rollbacks": loop.count("rollback"), "parameters": dict(held),
             "optimized": dict(named)}
@@ -259,9 +219,12 @@ class _Loop:
     non-finite policy skips or rolls back on the way."""
 
     def __init__(self, cfg: TrainConfig, step_fn, optimizer, batches: Batches, guard: Guard,
-                 monitor: StepMonitor, checkpoints: RunCheckpoints | None, rank: int):
+                 monitor: StepMonitor, checkpoints: RunCheckpoints | None, rank: int,
+                 metrics: RunMetrics):
         self.cfg, self.step_fn, self.optimizer, self.batches = cfg, step_fn, optimizer, batches
         self.monitor, self.checkpoints, self.rank = monitor, checkpoints, rank
+        self.metrics = metrics
+        """--log-dir records and --eval-every validation, after an applied step."""
         self.eager = isinstance(step_fn, torch.nn.Module)
         self.guard = guard
         """The policy (a compiled step holds it too: `Step.check_health`)."""
@@ -298,6 +261,8 @@ class _Loop:
                 self.loss = verdict.loss
                 bar.update(1)
                 bar.set_postfix(self.postfix(time.perf_counter() - start))
+                self.metrics.after_update(update, verdict, self.iterations, lr_at(update - 1, cfg),
+                                          lambda: self.step_fn.moe_stats()["dropped"])
                 if cfg.save_every and update % cfg.save_every == 0:
                     self.save(update, verdict)
             if profiler is not None:
@@ -419,11 +384,14 @@ def step_profiler(cfg: TrainConfig, rank: int, num_steps: int):
     return profiler
 
 
-def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig) -> float:
-    """Mean loss (nats per token) over `cfg.val_batches` fixed validation batches, in eval
+def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig, packed: bool = False
+             ) -> float:
+    """Mean loss (nats per token) over `cfg.val_batches` fixed validation batches (the first
+    of `PackedBatches`' order for `packed` documents, else random windows), in eval
     mode without gradients: an eager model itself, a compiled step through its own
     forward-only compile (`eval_loss`: every layout, on the step's own parameters)."""
-    batches = Batches(val_tokens, cfg.batch_size, cfg.seq_len, seed=12345)
+    loader = PackedBatches if packed else Batches
+    batches = loader(val_tokens, cfg.batch_size, cfg.seq_len, seed=12345)
     if isinstance(step_or_model, torch.nn.Module):
         model = step_or_model
         was_training = model.training

@@ -59,6 +59,9 @@ class RunCheckpoints:
         self.optimizer, self.batches = optimizer, batches
         self.optimizer_state_saved = False
         """Whether the newest snapshot holds optimizer state (none before the first step)."""
+        self.export_info: dict | None = None
+        """This rank's `mxgraph.export.export_info` (model spec, mesh, layouts), saved
+        under "rank_local"/"export" with every snapshot (None: not saved)."""
 
     def save(self, step: int, health: dict, background: bool = True, persist: bool | None = None):
         """Snapshot the state after `step` updates, whose loss and gradient norm were
@@ -72,6 +75,8 @@ class RunCheckpoints:
         state = capture(self.plan, self.named, self.optimizer, self.batches.state_dict(),
                         self.plan.to_dict())
         state["health"] = dict(health)
+        if self.export_info is not None:
+            state["rank_local"]["export"] = self.export_info
         self.optimizer_state_saved = bool(self.optimizer.state)
         return self.checkpointer.save(step, state, background=background, persist=persist)
 

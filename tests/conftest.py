@@ -22,3 +22,15 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1
 else:
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files with a `slow` test first, longest first, each file's tests in their order:
+    xdist hands out whole files (`--dist loadfile`) in collection order, and a long file
+    handed out last is the suite's tail while the other worker idles. A slow mark may say
+    how long its test takes here (`@pytest.mark.slow(seconds=240)`); unsaid counts 60."""
+    cost: dict = {}
+    for item in items:
+        for mark in item.iter_markers("slow"):
+            cost[item.path] = max(cost.get(item.path, 0), mark.kwargs.get("seconds", 60))
+    items.sort(key=lambda item: -cost.get(item.path, 0))

@@ -86,17 +86,23 @@ def test_comm(load, tmp_path):
 
 
 @pytest.mark.slow
-def test_compile(load, tmp_path):
-    """Eager and mxgraph (inductor left out: its C++ build takes minutes), one subprocess
+def test_gpu_check_tiny_and_compile(load, tmp_path):
+    """benchmarks/gpu_check.sh --tiny: the kernel table (each fused op checked against
+    eager, fp32: within 1e-6 relative on the CPU, where the ops take their references,
+    which sum a few values in another order) and bench_compile's eager
+    and mxgraph runners (inductor left out: its C++ build takes minutes), one subprocess
     each."""
-    out = tmp_path / "compile.json"
-    assert load("bench_compile").main(["--models", "llama-tiny", "--runners", "eager,mxgraph",
-                                       "--steps", "1", "--batch-size", "1", "--seq-len", "16",
-                                       "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["model"], r["runner"]) for r in rows] == [("llama-tiny", "eager"),
-                                                         ("llama-tiny", "mxgraph")]
-    assert all(r["step_ms"] > 0 and r["compile_s"] >= 0 for r in rows)
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--tiny", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kernels = json.loads((tmp_path / "kernels.json").read_text())["results"]
+    checked = [r for r in kernels if "err" in r]
+    assert {r["kernel"] for r in checked} >= {"swiglu", "rmsnorm", "gqa_attention", "moe_router"}
+    assert all(r["ok"] and r["err"] <= 1e-6 for r in checked), checked
+    rows = json.loads((tmp_path / "compile.json").read_text())["rows"]
+    assert [r["runner"] for r in rows] == ["eager", "mxgraph-python", "mxgraph-python-fusion"]
+    assert all(r["step_ms"] > 0 and r["compile_s"] >= 0 and r["tokens_per_s"] > 0 for r in rows)
     assert rows[0]["params"] == rows[1]["params"] > 0
     with pytest.raises(SystemExit):  # an unknown runner is named, not skipped
         load("bench_compile").main(["--runners", "eager,torch"])
@@ -285,3 +291,17 @@ def test_search(load, tmp_path):
     assert summary["plans"] == 1 and summary["spearman"] is None  # one plan: no order
     top1 = summary["top1"]["llama-tiny"]
     assert top1["best_measured"] == "llama dp4" and top1["top1"]["step_s"] > 0
+
+
+@pytest.mark.slow
+def test_load_memory(load, tmp_path):
+    """Two ranks load a small saved Llama under tp=2: each reports its memory, and holds
+    about half the model (norms whole, every matrix and the embeddings halved)."""
+    out = tmp_path / "load_memory.json"
+    load("bench_load_memory").main(["--hidden", "256", "--layers", "1", "--vocab", "1024",
+                                    "--intermediate", "512", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [r["rank"] for r in data["ranks"]] == [0, 1]
+    for row in data["ranks"]:
+        assert 0.45 * data["model_mib"] < row["held_parameters_mib"] < 0.55 * data["model_mib"]
+        assert row["peak_during_load_mib"] >= row["rss_after_compile_mib"] > 0

@@ -188,8 +188,8 @@ def test_debug_shows_the_traceback(runs, inputs, monkeypatch, capfd):
 def test_help_lists_the_commands_there_are(runs):
     run = runs["--help"]
     assert run.returncode == 0 and run.stderr == ""
-    assert run.stdout.startswith("usage: mxgraph [-h] [--debug] {train,inspect,search} ...\n")
-    assert "Commands: train, inspect, search; 'mxgraph COMMAND --help' for one." in " ".join(
+    assert run.stdout.startswith("usage: mxgraph [-h] [--debug] {train,inspect,search,export,data} ...\n")
+    assert "Commands: train, inspect, search, export, data; 'mxgraph COMMAND --help' for one." in " ".join(
         run.stdout.split())
     assert "--debug" in run.stdout and "bench" not in run.stdout
 
@@ -197,7 +197,7 @@ def test_help_lists_the_commands_there_are(runs):
 def test_no_command_prints_the_usage(inputs, monkeypatch, capfd):
     run = _in_process([], inputs, monkeypatch, capfd)
     assert run.returncode == 2 and run.stdout == ""
-    assert run.stderr == ("usage: mxgraph [-h] [--debug] {train,inspect,search} ...\n"
+    assert run.stderr == ("usage: mxgraph [-h] [--debug] {train,inspect,search,export,data} ...\n"
                           "mxgraph: error: the following arguments are required: command\n")
 
 

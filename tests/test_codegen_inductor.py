@@ -52,6 +52,21 @@ def test_inductor_codegen_matches_eager(monkeypatch, tmp_path):
         "inductor_stage0_F.py", "inductor_stage0_W.py"]
 
 
+def test_fused_ops_are_fused_into_inductor_loops_on_the_cpu(monkeypatch, tmp_path):
+    """fusion=True on the CPU: each fused op is traced as its reference
+    (`kernels.cpu_decompositions`), so Inductor's code calls none of them as an opaque
+    kernel, and the step still matches eager."""
+    monkeypatch.setenv("MXGRAPH_STRICT", "1")
+    step = _run(mx.Plan(codegen="inductor", fusion=True, dump_dir=str(tmp_path)))
+    fused = {n.target for ex in step.executors() for rt in ex.stages.values()
+             for _, p in rt.programs.all() for n in p.gm.graph.nodes
+             if str(n.target).startswith("mxgraph.")}
+    assert {"mxgraph.swiglu.default", "mxgraph.rmsnorm.default"} <= {str(t) for t in fused}
+    code = "".join(f.read_text() for f in tmp_path.glob("**/inductor_stage0_*.py"))
+    assert "aten." in code or "cpp_fused" in code
+    assert "torch.ops.mxgraph" not in code
+
+
 def test_a_program_inductor_refuses_runs_as_python_and_says_so(monkeypatch):
     import torch._inductor.compile_fx as compile_fx
 
@@ -71,8 +86,25 @@ def test_a_program_inductor_refuses_runs_as_python_and_says_so(monkeypatch):
 
 
 def test_unknown_codegen_names_the_choices():
-    with pytest.raises(mx.PlanError, match="codegen: 'triton' is unknown; choose from python, inductor"):
+    with pytest.raises(mx.PlanError, match="codegen: 'triton' is unknown; choose from auto, python, inductor"):
         mx.Plan(codegen="triton")
+
+
+def test_auto_codegen_is_inductor_on_a_gpu_and_python_on_the_cpu():
+    assert mx.Plan().codegen == "auto"
+    assert [mx.Plan().codegen_for(d) for d in ("cuda", "cpu")] == ["inductor", "python"]
+    assert mx.Plan(codegen="inductor").codegen_for("cpu") == "inductor"
+    assert mx.Plan(codegen="python").codegen_for("cuda") == "python"
+    assert mx.Plan.from_dict({"codegen": "auto"}).codegen_for("cuda") == "inductor"
+
+
+def test_the_environment_chooses_what_auto_means(monkeypatch):
+    monkeypatch.setenv("MXGRAPH_CODEGEN", "inductor")
+    assert mx.Plan().codegen_for("cpu") == "inductor"
+    assert mx.Plan(codegen="python").codegen_for("cpu") == "python"  # the plan's own word wins
+    monkeypatch.setenv("MXGRAPH_CODEGEN", "triton")
+    with pytest.raises(mx.PlanError, match="MXGRAPH_CODEGEN: 'triton' is unknown; choose from python, inductor"):
+        mx.Plan().codegen_for("cpu")
 
 
 def _tp2_sp_under_inductor(rank, world):

@@ -11,13 +11,13 @@ from tests.import_graph import ROOT, Import, all_imports, imports_of, source_fil
 # it; the passes on those; the driver runs the passes; the public entrances use the driver.
 ENTRANCES = {"mxgraph", "mxgraph.compile", "mxgraph.step", "mxgraph.step_adaptive",
              "mxgraph.backend", "mxgraph.comm", "mxgraph.memory_plan", "mxgraph.train",
-             "mxgraph.cli", "mxgraph.inspect"}
+             "mxgraph.cli", "mxgraph.inspect", "mxgraph.metrics"}
 MODELS_ALLOWED = {"mxgraph.cli", "mxgraph.train", "mxgraph.inspect", "mxgraph.memory_plan"}
 """The entrances that build presets by name may import `models`; the compiler may not."""
 LINE_BUDGET = 500
-OVER_BUDGET: dict[str, int] = {"mxgraph/plan.py": 504}
-"""Files over the budget today, each held to its present size (the sharding core split
-shard_tp.py; plan.py grew by its precision field, the next field should split it)."""
+OVER_BUDGET: dict[str, int] = {}
+"""Files over the budget today, each held to its present size (none: the sharding core
+split shard_tp.py)."""
 PACKAGE_ORDER = {
     "mxgraph.passes": ("sharding", "moe", "fusion", "memory", "overlap"),
     "mxgraph.runtime": ("checkpoint", "collectives", "cluster", "monitor", "data_parallel",

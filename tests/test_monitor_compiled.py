@@ -20,7 +20,9 @@ from mxgraph.passes.monitor_points import program_points
 from mxgraph.runtime.monitor.slow_node import MonitorConfig, ProgramTimer, StepMonitor
 from tests.distributed import run_ranks
 
-DELAY_S = 0.03
+DELAY_S = 0.05
+"""Far above the noise of a loaded machine: the suite runs this beside other multi-process
+tests on 2 cores, where time slices of another process show up as tens of ms in a section."""
 _SLOW = {"rank": None}
 """The rank whose `mxtest::straggle` sleeps (None: nobody)."""
 
@@ -180,7 +182,7 @@ def _straggler_worker(rank, world, out_path):
             model.layers[layer].mlp = Straggle(model.layers[layer].mlp)
             steps[key] = mx.compile(model, mx.Plan(**plan))
         step = steps[key]
-        monitor = StepMonitor(config=MonitorConfig(level=1, report_every=every, min_abs_ms=5.0),
+        monitor = StepMonitor(config=MonitorConfig(level=1, report_every=every, min_abs_ms=15.0),
                               host=f"node-{rank // 2}")
         step.set_monitor(monitor)
         batch = _batch(100 + step.mesh.coords["dp"], batch=max(2, plan.get("micro_batches", 1)),

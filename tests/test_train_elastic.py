@@ -19,7 +19,7 @@ from drill import assert_clean  # noqa: E402
 SCRIPT = os.path.join(os.path.dirname(__file__), "resilience", "elastic_shrink.sh")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=150)  # measured on 2 cores
 def test_a_node_lost_for_good_shrinks_dp_and_training_goes_on(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
     done = subprocess.run(["bash", SCRIPT], env=env, capture_output=True, text=True, timeout=400,

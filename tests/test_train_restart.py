@@ -34,7 +34,7 @@ def _final_state(checkpoint_dir: str, step: int) -> dict:
     return disk.load(path, source_rank=0)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=240)  # measured on 2 cores
 def test_drill_three_workers_and_the_saver_killed_ends_bitwise_equal(tmp_path):
     steps, every = 30, 5
     common = ["--nproc", "4", "--steps", str(steps), "--save-every", str(every), *TINY]

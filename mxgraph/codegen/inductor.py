@@ -3,9 +3,11 @@
 A program's graph (a stage's F, B or W piece of its joint graph, already functional) is
 traced once more with Inductor's decomposition table (`make_fx` on the fake values its
 placeholders carry), so that every op is one Inductor lowers, and compiled by
-`compile_fx_inner`: C++/OpenMP loops on the CPU, Triton kernels on `cuda`. mxgraph's custom
-ops (fused kernels, the vocabulary-parallel loss) stay calls to their own implementations
-(Inductor's fallback kernels). Program inputs
+`compile_fx_inner`: C++/OpenMP loops on the CPU, Triton kernels on `cuda`. mxgraph's fused
+kernels stay calls to their Triton on `cuda` (Inductor's fallback kernels); on the CPU they
+are traced as their plain-torch references (`kernels.cpu_decompositions`), which Inductor
+fuses with their neighbours. Its other custom ops (the vocabulary-parallel loss, offload,
+expert counts) stay calls to their own implementations. Program inputs
 and outputs that are tuples (a multi-output op's value handed from F to B) are flattened
 for Inductor and rebuilt around it.
 
@@ -19,13 +21,17 @@ calls, each piece lowered by itself and the calls made between them (`segments.p
 So is a program the schedule pauses before its collective waits (DualPipeV's F&B
 interleave): it is cut before each wait and runs as a generator that yields there.
 
-Not lowered yet, run as Python codegen instead (`python.py`), with a warning naming the
-program (an error under `MXGRAPH_STRICT=1`): one with an input that is no tensor, or a value
-without a recorded example, and one Inductor refuses (expert parallelism's programs, whose
-data-dependent token counts Inductor's retrace does not bind, on torch 2.13).
+The retrace runs inside the program's own fake mode, whose shape environment holds the
+data-dependent sizes of expert parallelism (tokens received from each rank), so factory ops
+of those sizes stay symbolic and a size handed from F to W is an input like a tensor.
+
+Not lowered, run as Python codegen instead (`python.py`), with a warning naming the program
+(an error under `MXGRAPH_STRICT=1`): one with an input that is neither a tensor nor a size,
+or a value without a recorded example, and one Inductor refuses.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -96,8 +102,8 @@ def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
     if any(v is None for v in examples):
         raise NotLowered("a value it reads has no recorded example")
     leaves, in_spec = tree_flatten(examples)
-    if not all(isinstance(v, torch.Tensor) for v in leaves):
-        raise NotLowered("an input is no tensor")
+    if not all(isinstance(v, (torch.Tensor, torch.SymInt)) for v in leaves):
+        raise NotLowered("an input is neither a tensor nor a size")
     out_spec = []
 
     def flat(*args):
@@ -108,13 +114,18 @@ def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
+    table = select_decomp_table()
+    if all(v.device.type == "cpu" for v in leaves if isinstance(v, torch.Tensor)):  # fused ops: their references, fused
+        from mxgraph.codegen.kernels import cpu_decompositions
+        table = {**table, **cpu_decompositions()}
     fake_mode = detect_fake_mode(leaves)
     allowed = fake_mode is not None and fake_mode.allow_non_fake_inputs
     try:
         if fake_mode is not None:  # the graph's own constants are real tensors
             fake_mode.allow_non_fake_inputs = True
         with torch.no_grad():
-            traced = make_fx(flat, decomposition_table=select_decomp_table())(*leaves)
+            with fake_mode or contextlib.nullcontext():  # factories (no tensor argument) too
+                traced = make_fx(flat, decomposition_table=table)(*leaves)
             compiled = compile_fx_inner(traced, leaves)
     except Exception as error:  # noqa: BLE001 - reported by the caller, which falls back
         raise NotLowered(f"Inductor refused it: {type(error).__name__}: "

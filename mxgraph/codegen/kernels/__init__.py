@@ -127,3 +127,14 @@ for _name, _kind, _module, _impl in _TABLE:
 # Reference-only ops (no Triton path, so not in KERNELS): their kind all the same.
 register_fused_kind(torch.ops.mxgraph.grouped_mm.default, "matmul")
 register_fused_kind(torch.ops.mxgraph.grouped_mm_wgrad.default, "matmul", backward=True)
+
+
+def cpu_decompositions() -> dict:
+    """Each fused op of `KERNELS` -> the op's own Python body. Traced on CPU values, that
+    body is the plain-torch reference (the Triton path is taken on ``cuda`` only), so
+    Inductor, given this as decompositions for a CPU program, fuses the reference into the
+    neighbouring loops instead of calling the op opaque. On ``cuda`` the ops stay extern
+    kernels: their Triton. The grouped GEMMs stay opaque everywhere: their reference loops
+    over the groups' row counts, data a trace cannot hold."""
+    modules = {name: module for name, _, module, _ in _TABLE}
+    return {KERNELS[name].op: getattr(module, name)._init_fn for name, module in modules.items()}
