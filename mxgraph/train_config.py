@@ -50,8 +50,13 @@ class TrainConfig:
     """Batches averaged for the validation loss at the end."""
     seed: int = 0
     """Seed for initialisation and data order."""
-    dtype: str = "float32"
-    """Parameter dtype: float32 or bfloat16."""
+    precision: str | None = None
+    """fp32 (default), bf16-mixed (bf16 parameters in the compiled step; fp32 gradient
+    accumulation, data-parallel reduction, clipping, AdamW and master weights, which
+    checkpoints save) or bf16 (pure: parameters, gradients and AdamW state in bf16). Or
+    set precision in the --plan file."""
+    dtype: str | None = None
+    """Older spelling: float32 = --precision fp32, bfloat16 = --precision bf16."""
     eager: bool = False
     """Run the model eagerly instead of compiling (for comparison)."""
     save_every: int = 0
