@@ -105,15 +105,8 @@ def check_metrics_flags(cfg) -> None:
 
 def check_log_dir(path: str) -> None:
     """UserError unless `path` is (or can be made) a directory this process can write."""
-    probe = os.path.join(path, f".mxgraph-write-test-{os.getpid()}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.unlink(probe)
-    except OSError as error:
-        raise UserError(f"--log-dir {path} is not a writable directory ({error.strerror or error}); "
-                        f"choose a directory you can write") from None
+    from mxgraph.train_state import check_writable_dir
+    check_writable_dir(path, "--log-dir")
 
 
 def device_peak(profile: str | None, info: DeviceInfo) -> tuple[str | None, float]:

@@ -38,6 +38,12 @@ def run_id_for(checkpoint_dir: str) -> str:
 def check_checkpoint_dir(path: str) -> None:
     """UserError unless `path` is (or can be made) a directory this process can write: a
     bad --checkpoint-dir fails at start, not at the first save."""
+    check_writable_dir(path, "--checkpoint-dir")
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """UserError naming `flag` unless `path` is (or can be made) a directory this process
+    can write (a file is written there and removed)."""
     probe = os.path.join(path, f".mxgraph-write-test-{os.getpid()}")
     try:
         os.makedirs(path, exist_ok=True)
@@ -45,7 +51,7 @@ def check_checkpoint_dir(path: str) -> None:
             f.write("ok")
         os.unlink(probe)
     except OSError as error:
-        raise UserError(f"--checkpoint-dir {path} is not a writable directory "
+        raise UserError(f"{flag} {path} is not a writable directory "
                         f"({error.strerror or error}); choose a directory you can write") from None
 
 
