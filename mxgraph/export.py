@@ -37,12 +37,15 @@ _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
 
 def export_info(cfg, step_fn) -> dict:
     """What `export` needs from one rank, JSON-able: the model spec (`--model`,
-    `--model-config`, `--dtype`), the mesh sizes and this rank's coordinates, the
+    `--model-config`, its parameters' dtype as the run holds them), the mesh sizes and this rank's coordinates, the
     parameters it holds (names) and each one's layout [tp_dim, tp_blocks, ep]. `step_fn`:
     the compiled step, or the eager model."""
     info = {"model": os.path.abspath(cfg.model) if os.path.isdir(cfg.model) else cfg.model,
-            "model_config": cfg.model_config, "dtype": cfg.dtype, "mesh": None, "layouts": {},
+            "model_config": cfg.model_config, "dtype": None, "mesh": None, "layouts": {},
             "zero1": False}
+    model = step_fn if isinstance(step_fn, torch.nn.Module) else step_fn.model
+    floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    info["dtype"] = str(floating[0] if floating else torch.float32).removeprefix("torch.")
     if isinstance(step_fn, torch.nn.Module):
         info["held"] = [name for name, _ in step_fn.named_parameters()]
         return info

@@ -6,8 +6,9 @@
 A spec is `hf:<model_type>` (a key of transformers' `CONFIG_MAPPING`: the config class's
 defaults, i.e. the full-size model, changed by the overrides) or the path of a
 `config.json`. The model is built from the config with random weights
-(`AutoModelForCausalLM.from_config`); nothing is downloaded. This is the only module of
-mxgraph that imports `transformers`, and only inside functions.
+(`AutoModelForCausalLM.from_config`); nothing is downloaded. With `pretrained.py`
+(weights in) and `token_file.py` (tokenizers), the only modules of mxgraph that import
+`transformers`, and only inside functions.
 
 The config keeps every default but the overrides: transformers' choice of attention
 ("sdpa" where the family has it, else "eager"; both trace with `torch.export`), and
