@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Elastic drill: two "nodes" (two torchrun agents on this machine, 2 workers each) train
-# llama-tiny with --nnodes 1:2; after the checkpoint of step 10 the node that does not host
+# llama-tiny with --nnodes 1:2; after the checkpoint of step 10 (and one committed on disk) the node that does not host
 # the rendezvous store is SIGKILLed with its workers (its saver is spared: it stands for the
 # surviving node's). The survivor restarts on its own, resumes from disk at 2 processes
 # instead of 4 (dp 4 -> 2) and says so. Usage: bash tests/resilience/elastic_shrink.sh
@@ -13,7 +13,11 @@ args="train --nproc 2 --nnodes 1:2 --rdzv-endpoint 127.0.0.1:$port --rdzv-id el$
 py=${PYTHON:-python}  # the environment mxgraph is installed in (an activated venv)
 setsid "$py" -m mxgraph.cli $args > "$d/a.log" 2>&1 & a=$!
 setsid "$py" -m mxgraph.cli $args > "$d/b.log" 2>&1 & b=$!
-until grep -q "checkpoint at step 10" "$d/a.log" "$d/b.log"; do
+committed() { ls -d "$d"/ck/step_*/.metadata 2>/dev/null | grep -qv "step_000000000/"; }
+# after step 10's copy and once a checkpoint past step 0 is committed on disk (on a loaded
+# machine the disk writes can lag the steps: a node killed before its part of any is written
+# leaves nothing to resume from)
+until grep -q "checkpoint at step 10" "$d/a.log" "$d/b.log" && committed; do
   sleep 0.5
   kill -0 "$a" 2>/dev/null && kill -0 "$b" 2>/dev/null || { tail -5 "$d/a.log" "$d/b.log"; exit 1; }
 done
