@@ -40,7 +40,6 @@ def _every_plan(rank, world, cases):
     inputs, targets = _batch()
     for directory, plan, reference in cases:
         model = mxgraph.hf.load(directory)
-        model.config.use_cache = False
         step = mxgraph.compile(model, Plan(**plan))
         step.prepare(inputs, targets)
         if step.plan.pp > 1:
