@@ -6,12 +6,15 @@ loss, the validation loss, and each one's relative difference from fp32 (bf16-mi
 target: within 1%).
 
 Memory: a compiled step of the same model in each precision takes one step and one AdamW
-update; "measured" is the bytes of the tensors then held for training state, counted
-tensor by tensor (`numel * element_size`): the parameters the step runs on, their
-gradients as kept for the optimizer (bf16-mixed: the masters' fp32 ones), the fp32 master
-weights, and AdamW's exp_avg and exp_avg_sq (its per-tensor step counters, 4 bytes per
-tensor, apart). "estimate" is `memory_plan.estimate_memory`'s params + grads + optimizer for
-that precision. Activations are not in either (tests/test_memory_plan.py checks those).
+update. "state" is the bytes of the tensors then held for training, counted tensor by
+tensor (`numel * element_size`): the parameters the step runs on, their gradients as kept
+for the optimizer (bf16-mixed: the masters' fp32 ones), the fp32 master weights, and
+AdamW's exp_avg and exp_avg_sq; its "est" is `memory_plan.estimate_memory`'s params +
+grads + optimizer. "peak" is the step's measured peak: the state held at the start of a
+second step (gradients freed by `zero_grad`) plus the peak of the CPU allocator's running
+total during that step (forward, backward, clip and AdamW; torch.profiler's memory
+events); its "est" is the estimate's device total (params + grads + optimizer +
+activations + transient, math attention as the CPU runs it). Target: within 10%.
 
     python benchmarks/bench_precision.py [--model llama-20m] [--steps 200] [--batch-size 2]
         [--seq-len 32] [--val-batches 20] [--threads 1] [--out bench_results/precision.json]
@@ -19,7 +22,9 @@ that precision. Activations are not in either (tests/test_memory_plan.py checks 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +34,8 @@ import models
 import mxgraph as mx
 from mxgraph.memory_plan import estimate_memory
 from mxgraph.train import TrainConfig, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # search_worker, when imported
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 
@@ -52,25 +59,58 @@ def state_bytes(step, optimizer) -> dict[str, int]:
 
 
 def measure_memory(model_name: str, precision: str, batch_size: int, seq_len: int) -> dict:
+    """One compiled step of `model_name` in `precision`: the training state it holds
+    (`state_bytes`) and its measured peak - the state held at a step's start plus the CPU
+    allocator's peak during that step (forward, backward, clip, AdamW), from torch.profiler's
+    memory events - beside `estimate_memory`'s (math attention, as the CPU runs it)."""
     torch.manual_seed(0)
     model = models.build_model(model_name)
     vocab = model.config.vocab_size
     tokens = torch.randint(0, vocab, (batch_size, seq_len + 1))
     batch = (tokens[:, :-1], tokens[:, 1:])
     step = mx.compile(model, mx.Plan(precision=precision), example=batch)
+    del model
     optimizer = torch.optim.AdamW(step.parameters(), lr=1e-4)
-    step(*batch)
-    step.clip_grad_norm_(1.0)
-    optimizer.step()
+
+    def one_step():
+        step(*batch)
+        step.clip_grad_norm_(1.0)
+        optimizer.step()
+
+    one_step()  # compiles, and AdamW's state exists from here
     held = state_bytes(step, optimizer)
+    optimizer.zero_grad()
+    gc.collect()
+    at_start = state_bytes(step, optimizer)  # no gradients: zero_grad freed them
+    at_start = at_start["params"] + at_start["master"] + at_start["optimizer"] \
+        + at_start["step_counters"]
+    peak = at_start + step_peak(one_step)
     stage, = estimate_memory(model_name, mx.Plan(precision=precision), batch_size=batch_size,
-                             seq_len=seq_len)
-    estimate = stage.params + stage.grads + stage.optimizer
-    measured = held["params"] + held["grads"] + held["master"] + held["optimizer"]
-    return {"measured_bytes": measured, "estimate_bytes": estimate,
-            "estimate_error": estimate / measured - 1, "held": held,
+                             seq_len=seq_len, flash_attention=False)
+    state = stage.params + stage.grads + stage.optimizer
+    measured_state = held["params"] + held["grads"] + held["master"] + held["optimizer"]
+    return {"measured_bytes": measured_state, "estimate_bytes": state,
+            "estimate_error": state / measured_state - 1, "held": held,
+            "peak_bytes": peak, "peak_estimate_bytes": stage.device_total,
+            "peak_estimate_error": stage.device_total / peak - 1,
             "estimate": {"params": stage.params, "grads": stage.grads,
-                         "optimizer_and_master": stage.optimizer}}
+                         "optimizer_and_master": stage.optimizer,
+                         "activations": stage.activations, "transient": stage.transient}}
+
+
+def step_peak(fn) -> int:
+    """Peak of the CPU allocator's running total while `fn()` runs, above its start (bytes;
+    torch.profiler `profile_memory`, read as `search_worker.trace_peak` reads it)."""
+    import tempfile
+
+    from search_worker import trace_peak
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return trace_peak(path)
 
 
 def main(argv=None) -> dict:
@@ -106,12 +146,14 @@ def main(argv=None) -> dict:
     print(f"{args.model}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}; "
           f"memory: training state bytes (params + grads + masters + AdamW), MiB")
     print(f"{'precision':<11} {'train':>7} {'val':>7} {'train/fp32':>10} {'val/fp32':>9} "
-          f"{'measured':>9} {'estimate':>9} {'est err':>8} {'seconds':>8}")
+          f"{'state':>7} {'est':>7} {'err':>7} {'peak':>7} {'est':>7} {'err':>7} {'seconds':>8}")
     for row in rows:
         print(f"{row['precision']:<11} {row['train_loss']:>7.4f} {row['val_loss']:>7.4f} "
               f"{row['train_vs_fp32']:>+10.2%} {row['val_vs_fp32']:>+9.2%} "
-              f"{row['measured_bytes'] / 2 ** 20:>9.1f} {row['estimate_bytes'] / 2 ** 20:>9.1f} "
-              f"{row['estimate_error']:>+8.2%} {row['train_s']:>8.0f}")
+              f"{row['measured_bytes'] / 2 ** 20:>7.1f} {row['estimate_bytes'] / 2 ** 20:>7.1f} "
+              f"{row['estimate_error']:>+7.1%} {row['peak_bytes'] / 2 ** 20:>7.1f} "
+              f"{row['peak_estimate_bytes'] / 2 ** 20:>7.1f} {row['peak_estimate_error']:>+7.1%} "
+              f"{row['train_s']:>8.0f}")
     result = {"model": args.model, "steps": args.steps, "batch_size": args.batch_size,
               "seq_len": args.seq_len, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
