@@ -81,10 +81,8 @@ def measure_memory(model_name: str, precision: str, batch_size: int, seq_len: in
     held = state_bytes(step, optimizer)
     optimizer.zero_grad()
     gc.collect()
-    at_start = state_bytes(step, optimizer)  # no gradients: zero_grad freed them
-    at_start = at_start["params"] + at_start["master"] + at_start["optimizer"] \
-        + at_start["step_counters"]
-    peak = at_start + step_peak(one_step)
+    start = state_bytes(step, optimizer)  # no gradients: zero_grad freed them
+    peak = sum(start.values()) + step_peak(one_step)
     stage, = estimate_memory(model_name, mx.Plan(precision=precision), batch_size=batch_size,
                              seq_len=seq_len, flash_attention=False)
     state = stage.params + stage.grads + stage.optimizer
@@ -100,17 +98,12 @@ def measure_memory(model_name: str, precision: str, batch_size: int, seq_len: in
 
 def step_peak(fn) -> int:
     """Peak of the CPU allocator's running total while `fn()` runs, above its start (bytes;
-    torch.profiler `profile_memory`, read as `search_worker.trace_peak` reads it)."""
-    import tempfile
-
-    from search_worker import trace_peak
+    torch.profiler `profile_memory`, read by `search_worker.profile_peak`)."""
+    from search_worker import profile_peak
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:
         fn()
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        return trace_peak(path)
+    return profile_peak(prof)
 
 
 def main(argv=None) -> dict:
@@ -144,7 +137,8 @@ def main(argv=None) -> dict:
         row["train_vs_fp32"] = row["train_loss"] / fp32["train_loss"] - 1
         row["val_vs_fp32"] = row["val_loss"] / fp32["val_loss"] - 1
     print(f"{args.model}, {args.steps} steps, batch {args.batch_size} x {args.seq_len}; "
-          f"memory: training state bytes (params + grads + masters + AdamW), MiB")
+          f"memory, MiB: the training state (params + grads + masters + AdamW) and the step's "
+          f"peak, each measured beside its estimate")
     print(f"{'precision':<11} {'train':>7} {'val':>7} {'train/fp32':>10} {'val/fp32':>9} "
           f"{'state':>7} {'est':>7} {'err':>7} {'peak':>7} {'est':>7} {'err':>7} {'seconds':>8}")
     for row in rows:

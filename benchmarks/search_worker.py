@@ -74,6 +74,14 @@ def trace_peak(path: Path) -> int:
     return max(0, max(t for _, t, _ in totals) - start)
 
 
+def profile_peak(prof) -> int:
+    """`trace_peak` of a stopped `torch.profiler.profile(profile_memory=True)`."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return trace_peak(path)
+
+
 def worker(out: str, steps: int, warmup: int, train_argv: list[str]) -> int:
     """Run `mxgraph train` with optimizer hooks that time every step and profile one."""
     import torch
@@ -97,10 +105,7 @@ def worker(out: str, steps: int, warmup: int, train_argv: list[str]) -> int:
             state["prof"].start()
         elif len(ends) == profiled + 1 and "prof" in state:
             state["prof"].stop()
-            with tempfile.TemporaryDirectory() as folder:
-                path = Path(folder) / "trace.json"
-                state["prof"].export_chrome_trace(str(path))
-                memory["step_peak_bytes"] = trace_peak(path)
+            memory["step_peak_bytes"] = profile_peak(state["prof"])
             ends.append(time.perf_counter())  # the export is not the next step's time
     register_optimizer_step_post_hook(hook)
     import mxgraph.train as train_module
