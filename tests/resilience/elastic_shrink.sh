@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Elastic drill: two "nodes" (two torchrun agents on this machine, 2 workers each) train
+# Elastic drill: two "nodes" (two torchrun agents on this machine, 1 worker each) train
 # llama-tiny with --nnodes 1:2; after the checkpoint of step 10 (and one committed on disk) the node that does not host
 # the rendezvous store is SIGKILLed with its workers (its saver is spared: it stands for the
-# surviving node's). The survivor restarts on its own, resumes from disk at 2 processes
-# instead of 4 (dp 4 -> 2) and says so. Usage: bash tests/resilience/elastic_shrink.sh
+# surviving node's). The survivor restarts on its own, resumes from disk at 1 process
+# instead of 2 (dp 2 -> 1) and says so. Usage: bash tests/resilience/elastic_shrink.sh
 set -u
 cd "$(dirname "$0")/../.."
 d=$(mktemp -d); port=$((20000 + RANDOM % 20000))
-args="train --nproc 2 --nnodes 1:2 --rdzv-endpoint 127.0.0.1:$port --rdzv-id el$port --max-restarts 3
-      --save-every 5 --steps 40 --model llama-tiny --batch-size 2 --seq-len 16 --val-batches 1
+args="train --nproc 1 --nnodes 1:2 --rdzv-endpoint 127.0.0.1:$port --rdzv-id el$port --max-restarts 3
+      --save-every 5 --steps 20 --model llama-tiny --batch-size 2 --seq-len 16 --val-batches 1
       --no-progress --checkpoint-dir $d/ck"
 py=${PYTHON:-python}  # the environment mxgraph is installed in (an activated venv)
 setsid "$py" -m mxgraph.cli $args > "$d/a.log" 2>&1 & a=$!
