@@ -117,30 +117,31 @@ def test_save_and_resume_continue_bitwise(tmp_path, monkeypatch, caplog):
     assert resumed["val_loss"] == straight["val_loss"]
 
 
-@pytest.mark.slow
+def _tp2_save_resume_and_straight(rank, world, tmp):
+    import os
+    base = dict(plan=os.path.join(tmp, "tp2.toml"), batch_size=4, seq_len=32, val_batches=1,
+                checkpoint_dir=os.path.join(tmp, "ck"))
+
+    def run(run_id, **fields):
+        os.environ["MXGRAPH_RUN_ID"] = f"{run_id}-{os.path.basename(tmp)}"
+        return train(TrainConfig(**base, **fields), progress=False)
+
+    run("save", steps=2, save_every=2)
+    # another run id: the memory copy is not found, so the restore reads the disk
+    resumed = run("resume", steps=4, resume=True)
+    straight = run("straight", steps=4)
+    assert resumed["start_step"] == 2
+    assert resumed["train_loss"] == straight["train_loss"]
+    assert resumed["val_loss"] == straight["val_loss"]
+
+
+@pytest.mark.slow(seconds=40)
 def test_nproc_2_tp2_resume_from_disk_continues_exactly(tmp_path):
     """Each TP rank holds other parameter shards: a disk checkpoint must keep them per
     rank (restoring rank 0's shards everywhere would silently corrupt the model)."""
-    import os
-    import subprocess
-    import sys
+    from tests.distributed import run_ranks
     (tmp_path / "tp2.toml").write_text("tp = 2\n")
-    common = ["--nproc", "2", "--plan", str(tmp_path / "tp2.toml"), "--batch-size", "4",
-              "--seq-len", "32", "--val-batches", "1", "--no-progress",
-              "--checkpoint-dir", str(tmp_path / "ck")]
-
-    def run(run_id, *extra):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MXGRAPH_RUN_ID": run_id}
-        done = subprocess.run([sys.executable, "-m", "mxgraph.cli", "train", *common, *extra],
-                              capture_output=True, text=True, timeout=600, env=env)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return [line for line in done.stdout.splitlines() if "validation loss" in line]
-
-    run(f"save-{tmp_path.name}", "--steps", "2", "--save-every", "2")
-    # another run id: the memory copy is not found, so the restore reads the disk
-    resumed = run(f"resume-{tmp_path.name}", "--steps", "4", "--resume")
-    straight = run(f"straight-{tmp_path.name}", "--steps", "4")
-    assert resumed and resumed[0].split("|")[:2] == straight[0].split("|")[:2]
+    run_ranks(2, _tp2_save_resume_and_straight, str(tmp_path))
 
 
 def test_train_with_adaptive_moe_recompute(tmp_path, capsys):
