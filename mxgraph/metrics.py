@@ -13,8 +13,8 @@ when it is asked for and missing the run stops before it starts (no silent JSONL
 MFU = model FLOPs per token (`mxgraph.flops`: measured from the model's own ops) x tokens
 per second over every data-parallel rank / (the device profile's peak_flops x processes).
 The peak comes from --device-profile, else from the built-in profile of this device's name
-(`PROFILE_BY_DEVICE_NAME`; the CPU's is `cpu`, a placeholder of mxgraph search, not measured
-on this machine). On a GPU no profile matches, MFU is NaN and a warning says so.
+(`PROFILE_BY_DEVICE_NAME`); on the CPU it is measured at the start, the machine's fp32 GEMM
+rate, which the run's processes share (`device_peak`). On a GPU no profile matches, MFU is NaN and a warning says so.
 
 Validation between steps changes nothing of the training: it reads its own fixed batches,
 runs without gradients in eval mode, and the random states are put back after it
@@ -109,20 +109,52 @@ def check_log_dir(path: str) -> None:
     check_writable_dir(path, "--log-dir")
 
 
-def device_peak(profile: str | None, info: DeviceInfo) -> tuple[str | None, float]:
-    """(profile name, peak FLOP/s of one device) for MFU: --device-profile's, else the
-    built-in profile of `info` (module docstring); (None, NaN) when none matches."""
+def device_peak(profile: str | None, info: DeviceInfo, processes: int = 1
+                ) -> tuple[str | None, float]:
+    """(profile name, peak FLOP/s of one process's device) for MFU: --device-profile's, else
+    the built-in profile of `info` (module docstring); (None, NaN) when none matches.
+
+    On the CPU with no profile named, the peak is measured (`cpu_peak_flops`: the machine's
+    fp32 GEMM rate) and the processes share it: each gets its `processes`-th, so that one
+    process with every core, or four with a core each, are judged against the same machine.
+    (The built-in `cpu` profile is the search's effective rate for 4 ranks on 2 cores, not a
+    peak.)"""
     from mxgraph.search.profiles import load_device
     if profile:
         return profile, load_device(profile).peak_flops
     if info.kind == "cpu":
-        return "cpu", load_device("cpu").peak_flops
+        return "measured fp32 GEMM", cpu_peak_flops() / processes
     if info.kind == "metax":
         return "metax-c500", load_device("metax-c500").peak_flops
     for fragment, name in PROFILE_BY_DEVICE_NAME:
         if fragment in info.name:
             return name, load_device(name).peak_flops
     return None, float("nan")
+
+
+def cpu_peak_flops(n: int = 1024) -> float:
+    """This machine's fp32 peak, FLOP/s: one core's best rate of an n x n GEMM (of 3)
+    times the cores this process may run on. Measured by rank 0 and broadcast, so every
+    rank divides by the same figure and no two ranks measure at once."""
+    rate = torch.zeros(1, dtype=torch.float64)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            a @ b
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                a @ b
+                best = min(best, time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(threads)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        rate[0] = 2 * n ** 3 / best * cores
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+        dist.broadcast(rate, src=0)
+    return float(rate[0])
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:
@@ -209,7 +241,7 @@ class RunMetrics:
             device, dp = step_fn.mesh.device, step_fn.mesh.sizes["dp"]
             processes = dist.get_world_size() if dist.is_initialized() else 1
         info = detect(device)
-        peak = device_peak(cfg.device_profile, info)
+        peak = device_peak(cfg.device_profile, info, processes)
         if peak[0] is None and rank == 0:
             log.warning("no device profile for %s: MFU is not computed; name one with "
                         "--device-profile (a built-in or a TOML device file)", info.name)

@@ -98,6 +98,23 @@ def test_mfu_is_model_flops_over_peak():
     assert math.isnan(mfu(6e9, 1000.0, float("nan")))
 
 
+def test_cpu_processes_share_one_machine_peak():
+    """One process with every core and 2 or 4 processes sharing them are judged against
+    the same machine (each process does not bring a peak of its own)."""
+    import mxgraph.metrics
+    from mxgraph.runtime.cluster.device import detect
+    cpu = detect(torch.device("cpu"))
+    machine = mxgraph.metrics.cpu_peak_flops()
+    assert machine > 1e9  # any CPU that runs torch does a GFLOP/s of fp32 GEMM
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mxgraph.metrics, "cpu_peak_flops", lambda: 8e10)
+        assert [mxgraph.metrics.device_peak(None, cpu, k) for k in (1, 2, 4)] == [
+            ("measured fp32 GEMM", 8e10), ("measured fp32 GEMM", 4e10),
+            ("measured fp32 GEMM", 2e10)]
+    h100 = mxgraph.metrics.device_peak("h100-sxm", cpu, 4)  # a named profile: per process
+    assert h100 == mxgraph.metrics.device_peak("h100-sxm", cpu, 1) and h100[1] > 1e14
+
+
 # ---- runs with and without periodic validation ----------------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -157,7 +174,7 @@ def test_records_hold_what_the_loop_computed(runs):
             "data_parallel"] / (run["peak_flops_per_device"] * run["processes"]), rel=1e-12)
         assert r["memory_kind"] == "process_peak_rss"
         assert 0 < r["memory_peak_bytes"] <= resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    assert run["device_profile"] == "cpu" and run["flops_per_token"] > 0
+    assert run["device_profile"] == "measured fp32 GEMM" and run["flops_per_token"] > 0
     assert logged["mfu"] == pytest.approx(run["flops_per_token"] * logged["tokens_per_s"] / run[
         "peak_flops_per_device"], rel=1e-12)
 
