@@ -1,14 +1,14 @@
 """`mxgraph train` on 2 ranks under every layout of the presets (and a Hugging Face Llama
-under tp=2) finishes and prints its validation loss, which equals the one-process run's
-where both see the same batches.
+under tp=2), and bf16-mixed under tp+SP with overlap, pp and ep+ZeRO-1, finishes and prints
+its validation loss, which equals the one-process run's where both see the same batches.
 
 Each case goes through the real entry point (`mxgraph.cli.main(["train", ...])`), the way
 the torchrun child of `mxgraph train --nproc 2` runs it; all cases share one 2-rank process
 group (start-up dominates), so the CLI's closing of the group is held until the end. The
-`--nproc 2` path itself (torchrun starting the ranks) runs in tests/test_train.py's resume
-test. The one-process
-references run in the test process. Layouts whose data-parallel ranks draw other batches
-(dp, zero1, ep: every dp rank reads its own stream) are checked to finish with a finite loss.
+`--nproc 2` path itself (torchrun starting the ranks) runs in tests/test_train_restart.py.
+The one-process references run in the test process. Layouts whose data-parallel ranks draw
+other batches (dp, zero1, ep: every dp rank reads its own stream) are checked to finish with
+a finite loss.
 """
 import contextlib
 import io
@@ -21,6 +21,7 @@ from tests.distributed import run_ranks
 HF_LLAMA = ("hf:llama", ",".join(f"{k}={v}" for k, v in TINY["llama"].items()))
 COMMON = ["--steps", "2", "--batch-size", "4", "--seq-len", "32", "--val-batches", "1",
           "--no-progress"]
+MIXED = 'precision = "bf16-mixed"\n'
 # (model, --model-config, plan file text, same batches as one process?)
 CASES = [("llama-tiny", "", "tp = 2\n", True),
          ("llama-tiny", "", "tp = 2\nsequence_parallel = true\n", True),
@@ -28,10 +29,18 @@ CASES = [("llama-tiny", "", "tp = 2\n", True),
          ("llama-tiny", "", "pp = 2\nmicro_batches = 2\n", True),
          ("llama-tiny", "", "zero1 = true\n", False),
          ("moe-tiny", "n_layers=2", "ep = 2\n", False),
-         (*HF_LLAMA, "tp = 2\n", True)]
+         (*HF_LLAMA, "tp = 2\n", True),
+         ("llama-tiny", "", f"tp = 2\nsequence_parallel = true\noverlap = true\n{MIXED}", True),
+         ("llama-tiny", "", f"pp = 2\nmicro_batches = 2\n{MIXED}", True),
+         ("moe-tiny", "n_layers=2", f"ep = 2\nzero1 = true\n{MIXED}", False)]
 LOSS_TOL = 2e-3
 """Validation losses, absolute, as printed (4 decimals): TP, CP and the pipeline sum in
-another order than one process, over 2 AdamW steps."""
+another order than one process, over 2 AdamW steps; under bf16-mixed the one-process
+reference is bf16-mixed too, and the same tolerance holds."""
+
+
+def reference_key(model: str, config: str, plan: str) -> tuple[str, str, bool]:
+    return model, config, MIXED in plan
 
 
 def train_cli(model: str, config: str, plan: str | None, tmp: str) -> float:
@@ -62,10 +71,13 @@ def _every_case(rank, world, tmp, references):
             continue
         assert math.isfinite(loss), (model, plan)
         if same_batches:
-            assert abs(loss - references[model]) <= LOSS_TOL, (model, plan, loss, references[model])
+            want = references[reference_key(model, config, plan)]
+            assert abs(loss - want) <= LOSS_TOL, (model, plan, loss, want)
 
 
 def test_every_preset_layout_trains_through_the_cli(tmp_path):
-    models = dict.fromkeys((model, config) for model, config, _, same in CASES if same)
-    references = {model: train_cli(model, config, None, str(tmp_path)) for model, config in models}
+    keys = dict.fromkeys(reference_key(*case[:3]) for case in CASES if case[3])
+    references = {(model, config, mixed): train_cli(model, config, MIXED if mixed else None,
+                                                    str(tmp_path))
+                  for model, config, mixed in keys}
     run_ranks(2, _every_case, str(tmp_path), references)
