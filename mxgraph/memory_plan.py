@@ -23,7 +23,10 @@ Per rank (one per pipeline stage; TP/CP/DP/EP peers hold the same amounts):
   two bmms, what the CPU picks for MLA's unequal head dims) is recomputed like a fused
   attention kernel's backward, so no S x S matrix counts as saved.
 * **transient** - the traced graph's liveness peak minus parameters and saved values: the
-  working set of one micro-batch's forward and backward (logits included).
+  working set of one micro-batch's forward and backward (logits included); plus, under
+  bf16-mixed or with several micro-batches, one gradient per parameter in the parameter
+  dtype: a backward program returns its gradients together, and they are added into the
+  kept ones (fp32 main gradients, or the earlier micro-batches' sum) after it ends.
 
 Saved bytes per layer come from the compiler itself: the model is rebuilt with 1 dense
 (+1 MoE) layer at full width on the meta device, its parameters turned into CPU fake
@@ -260,11 +263,14 @@ def estimate_memory(model, plan: Plan, *, batch_size: int = 1, seq_len: int | No
         if first or last:
             per_mb += acts.other // (2 if plan.pp > 1 else 1) // plan.tp
         flight = flights.get(stage, 1.0)
+        returned = elements * dtype.itemsize if precision == "bf16-mixed" or \
+            plan.micro_batches > 1 else 0  # gradients a backward returns beside the kept ones
         stages.append(StageMemory(stage=stage, layers=len(layers), params=params,
                                   grads=elements * state.grads,
                                   optimizer=optimizer, activations=int(per_mb * flight),
                                   offloaded=int(host * flight),
-                                  transient=acts.transient // plan.tp, in_flight=flight))
+                                  transient=acts.transient // plan.tp + returned,
+                                  in_flight=flight))
     return stages
 
 

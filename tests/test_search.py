@@ -135,16 +135,22 @@ def test_predicted_time_grows_with_work(setting):
 
 
 def test_memory_and_gradient_reduction_parts(setting):
-    """Exact figures of the memory and reduction model: a second micro-batch adds one
-    gradient-sized buffer (the last micro-batch's gradients before they are added in),
-    nothing else at the same micro-batch size; an MoE plan whose experts are split over all
+    """Exact figures of the memory and reduction model: under pure bf16 a second micro-batch
+    adds one gradient-sized buffer (the last micro-batch's gradients before they are added
+    in), nothing else at the same micro-batch size; under bf16-mixed (the search's default)
+    that buffer, the bf16 gradients before they are added into the fp32 main ones, is held
+    at one micro-batch already; an MoE plan whose experts are split over all
     data-parallel ranks (ep = dp: no expert replicas) reduces only the dense gradients, as
     one all-reduce of their bytes per bucket over dp; W holds a share of one activation unit."""
-    one, two = (predict(setting, Plan(dp=4, micro_batches=m), 1) for m in (1, 2))
     params = setting.cache.layer_costs(setting.config, TraceKey(dtype="bfloat16"), 128)
     total = sum(params.param_bytes[kind] * (setting.config.n_layers if kind == "dense" else 1)
                 for kind in params.param_bytes)
+    one, two = (predict(setting, Plan(dp=4, micro_batches=m, precision="bf16"), 1)
+                for m in (1, 2))
     assert (two.peak_memory_gib - one.peak_memory_gib) * 2 ** 30 == pytest.approx(total)
+    assert setting.precision == "bf16-mixed"
+    one, two = (predict(setting, Plan(dp=4, micro_batches=m), 1) for m in (1, 2))
+    assert two.peak_memory_gib == one.peak_memory_gib
     config = models.preset_config("moe-tiny")
     moe = Setting(config, setting.device, 4, 8, 128, models)
     plan = Plan(dp=4, ep=4, bucket_mb=1024)

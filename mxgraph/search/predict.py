@@ -17,7 +17,8 @@ all-to-alls (with `moe.a2a_overlap`) are half hidden behind independent compute 
 with `overlap.tp_chunks`); other in-graph collectives stay exposed.
 
 Memory per pipeline rank: parameters and gradients (local shapes from the graph; a second
-gradient copy with several micro-batches, `grad_copies`), AdamW state and master weights as
+gradient copy in the parameter dtype with several micro-batches or under bf16-mixed,
+`returned_grads`), AdamW state and master weights as
 the plan's precision holds them (`Plan.precision`, else `Setting.precision`;
 `runtime/precision.STATE_BYTES`: fp32 m and v plus fp32 masters and fp32 gradients under
 bf16-mixed; / dp under ZeRO-1, experts / dp/ep; ZeRO-1's flat parameter shards too (under
@@ -231,7 +232,8 @@ def rank_memory(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: 
     acts = activations(setting, plan, costs, exact)
     flight = flights(setting, plan, costs.w_retained)
     dp = plan.dp or 1
-    state = STATE_BYTES[plan.precision or setting.precision]
+    precision = plan.precision or setting.precision
+    state = STATE_BYTES[precision]
     element = state.params
     out = []
     for rank, held in ranks.items():
@@ -248,7 +250,7 @@ def rank_memory(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: 
         owned = elements_dense / shard[0] + elements_expert / shard[1]
         elements = params / element
         out.append({"params": params, "experts": experts,
-                    "grads": elements * (state.grads + (grad_copies(plan) - 1) * element),
+                    "grads": elements * (state.grads + returned_grads(plan, precision) * element),
                     "optimizer": (state.optimizer + state.master) * owned,
                     "shards": element * owned if plan.zero1 and not state.master else 0.0,
                     "activations": per_mb * mbs * flight.get(rank, 1.0),
@@ -265,13 +267,14 @@ def rank_bytes(memory: dict) -> float:
     return sum(memory[part] for part in MEMORY_PARTS)
 
 
-def grad_copies(plan: Plan) -> int:
-    """Gradient-sized buffers at the peak: the accumulated `.grad`s, plus, with several
-    micro-batches, the last one's gradients, which a backward program returns all at once
-    and which are added in after it ends (with `overlap.dp_buckets` each is added the moment
-    it exists instead)."""
+def returned_grads(plan: Plan, precision: str) -> int:
+    """Gradient-sized buffers in the parameter dtype held at the peak beside the kept
+    gradients (1 or 0): the gradients a backward program returns all at once, which are
+    added in after it ends: under bf16-mixed always (into the fp32 main gradients), else
+    with several micro-batches (into the earlier ones' sum). With `overlap.dp_buckets` each
+    is added the moment it exists instead."""
     announced = plan.overlap is not None and plan.overlap.dp_buckets
-    return 2 if plan.micro_batches > 1 and not announced else 1
+    return int(not announced and (precision == "bf16-mixed" or plan.micro_batches > 1))
 
 
 # ---- the prediction -----------------------------------------------------------------------
