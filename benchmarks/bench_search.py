@@ -31,7 +31,8 @@ Steps (each can be skipped; results of earlier steps are read back from `--out`)
    the best measured plan, it and the best measured plan run in turn `--rounds` times each
    and their medians are compared, side by side).
 4. **scale** - the time `mxgraph search` takes for DeepSeek-V3 671B on 1024 H800s, and
-   predicted vs published throughput for a few published layouts (PUBLISHED).
+   predicted vs published throughput for the published runs of record in
+   published_runs.toml (their table, errors and family orders: bench_search_published.py).
 
     python benchmarks/bench_search.py [--skip measure,calibrate,predict,scale]
         [--rate 1gbit] [--plans "llama dp4,moe ep4"] [--steps 8] [--global-batch 8]
@@ -164,28 +165,6 @@ def measure(args, results: dict) -> None:
 def save(args, results: dict) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
-
-
-# (what, model, device, gpus, global batch, seq, Plan fields, mbs, tokens/s/GPU, source). Gradient
-# buckets: Megatron-Core's default, max(40M, 1M x dp) parameters (bf16: 2 MB x dp), as neither
-# report gives its own; the MFU printed is 3 x the traced forward FLOPs (attention as traced,
-# recompute not counted) / (step time x GPUs x dense bf16 peak).
-PUBLISHED = [
-    ("DeepSeek-V3 pre-training", "deepseek-v3-671b", "h800", 2048, 15360, 4096,
-     {"pp": 16, "ep": 64, "zero1": True, "schedule": "dualpipev", "vpp": 2, "micro_batches": 60,
-      "overlap": True, "a2a_overlap": True, "bucket_mb": 2 * 128 / 1.048576}, 1,
-     1e12 / (180e3 * 3600), ("DeepSeek-V3 report: 180K H800 GPU hours per trillion tokens "
-                             "(tokens, no FLOP convention needed); layout PP16 EP64 ZeRO-1 "
-                             "DualPipe, all-to-all and DP reduction overlapped, from the report "
-                             "(its FP8 GEMMs, node-limited routing and recompute are not "
-                             "modelled)")),
-    ("Llama 2 7B pre-training", "llama2-7b", "a100-80gb", 1024, 1024, 4096,
-     {"zero1": True, "micro_batches": 1, "overlap": True, "bucket_mb": 2 * 1024 / 1.048576}, 1,
-     2e12 / (184320 * 3600),
-     ("Llama 2 paper: 184,320 A100-80GB GPU hours for 2T tokens (tokens); layout not "
-      "published: dp + ZeRO-1 with overlapped gradient buckets assumed, 4M-token batch as "
-      "published")),
-]
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:
@@ -329,7 +308,8 @@ def _same(row: dict, prediction) -> bool:
 
 
 def scale_step(args, results: dict) -> None:
-    """DeepSeek-V3 on 1024 H800s: search time; predicted vs published throughput."""
+    """DeepSeek-V3 on 1024 H800s: search time; predicted vs published throughput of every
+    row of published_runs.toml."""
     command = [sys.executable, "-m", "mxgraph.cli", "search", "--model", "deepseek-v3-671b",
                "--gpus", "1024", "--device", "h800", "--global-batch", "4096", "--seq-len",
                "4096", "--top-k", "5"]
@@ -340,32 +320,17 @@ def scale_step(args, results: dict) -> None:
                                   "wall_s": round(time.perf_counter() - started, 1),
                                   "output": proc.stdout[-3000:] or proc.stderr[-2000:]}
     print(proc.stdout[-3000:], proc.stderr[-500:])
-    import dataclasses
-
-    import models
-    from mxgraph.plan import Plan
-    from mxgraph.search.predict import predict
-    from mxgraph.search.profiles import load_device
-    from mxgraph.search.setting import Setting
+    from bench_search_published import load_runs, predict_rows
     published = []
-    for what, model, device, gpus, batch, seq, fields, mbs, tokens, source in PUBLISHED:
-        setting = Setting(models.preset_config(model), load_device(device), gpus, batch, seq,
-                          models)
-        dp = gpus // (fields.get("tp", 1) * fields.get("pp", 1))
-        fields = {**fields, "dp": dp, "micro_batches": batch // dp // mbs}
-        plan_fields = {k: v for k, v in fields.items() if k != "a2a_overlap"}
-        plan = Plan(**plan_fields)
-        if fields.get("a2a_overlap"):
-            plan = dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, a2a_overlap=True))
-        p = predict(setting, plan, mbs)
-        published.append({"what": what, "plan": fields, "published_tokens_per_s_per_gpu": tokens,
-                          "predicted_tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
-                          "predicted_mfu": p.mfu, "peak_memory_gib": p.peak_memory_gib,
-                          "source": source})
-        print(f"{what}: predicted {p.tokens_per_s_per_gpu:.0f} vs published {tokens:.0f} "
-              f"tokens/s/GPU (predicted step {p.step_s:.2f} s, MFU {p.mfu:.1%}, bubble "
-              f"{p.bubble:.1%}, exposed comm {p.exposed_comm_s:.2f} s, peak "
-              f"{p.peak_memory_gib:.0f} GiB)")
+    for row in predict_rows(load_runs()):
+        published.append({key: row[key] for key in (
+            "what", "plan", "published_tokens_per_s_per_gpu", "predicted_tokens_per_s_per_gpu",
+            "predicted_mfu", "peak_memory_gib", "source")})
+        print(f"{row['what']}: predicted {row['predicted_tokens_per_s_per_gpu']:.0f} vs published "
+              f"{row['published_tokens_per_s_per_gpu']:.0f} tokens/s/GPU (predicted step "
+              f"{row['predicted_step_s']:.2f} s, MFU {row['predicted_mfu']:.1%}, bubble "
+              f"{row['bubble']:.1%}, exposed comm {row['exposed_comm_s']:.2f} s, peak "
+              f"{row['peak_memory_gib']:.0f} GiB)")
     results["published"] = published
 
 

@@ -293,6 +293,55 @@ def test_search(load, tmp_path):
     assert top1["best_measured"] == "llama dp4" and top1["top1"]["step_s"] > 0
 
 
+def test_published_runs_well_formed(load):
+    """Every row of published_runs.toml: a built-in device, a model that builds (meta) at
+    about its source's size, a layout whose axes divide the GPUs and the batch, a source
+    and a positive published figure; row names unique (load_runs checks fields and types)."""
+    import models
+    from mxgraph.search.profiles import BUILTIN
+    bench = load("bench_search_published")
+    runs = bench.load_runs()
+    assert len(runs) >= 20
+    assert {"DeepSeek-V3 pre-training", "Llama 2 7B pre-training"} <= {r["what"] for r in runs}
+    for run in runs:
+        assert run["device"] in BUILTIN, run["what"]
+        model = models.build_from_config(bench.model_config(run, models), device="meta")
+        assert models.count_params(model) > 1e9, run["what"]
+        plan, mbs, dp = bench.plan_of(run)
+        assert dp * plan.tp * plan.pp * plan.cp == run["gpus"], run["what"]
+        assert dp * mbs * plan.micro_batches == run["global_batch"], run["what"]
+        assert run["published_tokens_per_s_per_gpu"] > 0 and len(run["source"]) > 40
+        assert run["precision"] in ("bf16", "fp16", "fp8"), run["what"]
+
+
+def test_search_published(load, tmp_path, capsys):
+    """Three rows (one family of two): the printed table has each row's published and
+    predicted figures and error, the summary and the family's order; the JSON the same."""
+    out = tmp_path / "search_published.json"
+    names = ["torchtitan Llama 3.1 8B, 8 H100", "torchtitan Llama 3.1 8B, 128 H100",
+             "MPT-7B, 8 A100"]
+    bench = load("bench_search_published")
+    assert bench.main([arg for name in names for arg in ("--run", name)] + ["--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert [r["what"] for r in data["rows"]] == names
+    for row in data["rows"]:
+        assert row["predicted_tokens_per_s_per_gpu"] > 0
+        assert row["error"] == pytest.approx(row["predicted_tokens_per_s_per_gpu"]
+                                             / row["published_tokens_per_s_per_gpu"] - 1)
+        line = next(line for line in printed.splitlines() if line.startswith(row["what"]))
+        assert f"{row['published_tokens_per_s_per_gpu']:.1f}" in line
+        assert f"{row['predicted_tokens_per_s_per_gpu']:.1f}" in line and f"{row['error']:+.1%}" in line
+    summary = data["summary"]
+    errors = sorted(abs(r["error"]) for r in data["rows"])
+    assert summary["rows"] == 3 and summary["median_abs_error"] == pytest.approx(errors[1])
+    assert summary["max_abs_error"] == pytest.approx(errors[-1])
+    assert f"median |error| {errors[1]:.1%}" in printed
+    (family,) = summary["families"]  # MPT-7B alone in its family: not ordered
+    assert family == "torchtitan-h100-llama3-8b" and f"family {family}: order" in printed
+    assert summary["families"][family]["published_order"] == names[:2]
+
+
 @pytest.mark.slow
 def test_load_memory(load, tmp_path):
     """Two ranks load a small saved Llama under tp=2: each reports its memory, and holds

@@ -54,9 +54,16 @@ def load_model_file(path: str, library):
                         f"model file") from None
     except tomllib.TOMLDecodeError as error:
         raise UserError(f"model file {path} is not valid TOML: {error}") from None
+    return model_from_dict(data, f"model file {path}", library)
+
+
+def model_from_dict(data: dict, source: str, library):
+    """The config of a model table (`family` plus that family's config fields), as a model
+    file holds it; `source` names the table in errors ("model file x.toml")."""
+    data = dict(data)
     family = data.pop("family", None)
     if family not in REQUIRED:
-        raise UserError(f"model file {path}: family = {family!r}; set family to one of "
+        raise UserError(f"{source}: family = {family!r}; set family to one of "
                         f"{', '.join(repr(f) for f in REQUIRED)}")
     cls = getattr(library, CONFIG_CLASSES[family])
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -64,12 +71,12 @@ def load_model_file(path: str, library):
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"fields: {', '.join(sorted(fields))}"
-            raise UserError(f"model file {path}: {key!r} is no field of {cls.__name__}; {hint}")
+            raise UserError(f"{source}: {key!r} is no field of {cls.__name__}; {hint}")
     missing = [key for key in REQUIRED[family] if key not in data]
     if missing:
-        raise UserError(f"model file {path} misses the field {missing[0]!r} (a {family} "
+        raise UserError(f"{source} misses the field {missing[0]!r} (a {family} "
                         f"model needs {', '.join(REQUIRED[family])})")
     try:
         return cls(**data)
     except (TypeError, ValueError) as error:
-        raise UserError(f"model file {path}: {error}") from None
+        raise UserError(f"{source}: {error}") from None
