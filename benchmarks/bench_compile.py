@@ -1,14 +1,20 @@
 """Eager vs torch.compile (inductor, and the mxmaca backend) vs mxgraph.compile (Python or
 Inductor codegen, fusion off or on), side by side, on the CPU or a GPU (`--device cuda`).
 
+Models: presets (`llama-tiny`, `llama-20m`, ...) and `hf-llama-20m`, a Hugging Face
+`LlamaForCausalLM` of llama-20m's shape with the library's defaults (random init).
+
 For each model: compile time (first step minus a warm step), median step time
-(forward + backward, fill .grad), tokens/s, and peak memory of the timed steps: on the CPU
+(forward + backward, fill .grad), tokens/s, MFU (the model's FLOPs per token as mxgraph
+counts them, `mxgraph.flops`, x tokens/s / the device's peak: on the CPU the measured fp32
+GEMM rate, `mxgraph.metrics.cpu_peak_flops`), and peak memory of the timed steps: on the CPU
 the resident memory above the resident memory before them (Linux VmHWM after resetting
 it), on a GPU `torch.cuda.max_memory_allocated` above the allocation before them. Each
 (model, runner) pair runs in its own subprocess so memory and caches do not leak between
-them.
+them. With `--rounds R` every pair runs R times, the runners interleaved round by round
+(a slow spell of a shared machine then hits every runner), and the fastest round counts.
 
-    python benchmarks/bench_compile.py [--models llama-tiny,llama-20m] [--steps 10]
+    python benchmarks/bench_compile.py [--models llama-tiny,llama-20m] [--steps 10] [--rounds 1]
         [--runners eager,inductor,mxmaca,mxmaca-inductor,mxgraph,mxgraph-inductor]
         [--batch-size 8] [--seq-len 256] [--device cpu|cuda] [--dtype float32|bfloat16]
         [--out bench_results/compile.json]
@@ -46,6 +52,11 @@ PLANS = {"mxgraph": {}, "mxgraph-fusion": {"fusion": True},
 DEFAULT_RUNNERS = ("eager", "inductor", "mxmaca", "mxmaca-inductor", "mxgraph",
                    "mxgraph-inductor")
 ROOT = Path(__file__).resolve().parents[1]
+HF_MODELS = {"hf-llama-20m": ("hf:llama", {
+    "vocab_size": 256, "hidden_size": 384, "num_hidden_layers": 12, "num_attention_heads": 6,
+    "num_key_value_heads": 2, "intermediate_size": 1024, "max_position_embeddings": 1024,
+    "bos_token_id": 0, "eos_token_id": 0})}
+"""Hugging Face models by name: (spec, config overrides), sizes only."""
 
 
 def _status_kib(field: str) -> int:
@@ -62,12 +73,20 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
 
     import models
     import mxgraph
+    from mxgraph.flops import model_flops_per_token
 
     torch.manual_seed(0)
-    model = models.build_model(model_name, device=device, dtype=getattr(torch, dtype))
+    if model_name in HF_MODELS:
+        from mxgraph.hf import build_hf_model
+        model = build_hf_model(*HF_MODELS[model_name], dtype=getattr(torch, dtype)).to(device)
+        vocab = model.config.vocab_size
+    else:
+        model = models.build_model(model_name, device=device, dtype=getattr(torch, dtype))
+        vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    x = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=g).to(device)
-    y = torch.randint(0, model.config.vocab_size, (batch_size, seq_len), generator=g).to(device)
+    x = torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(device)
+    y = torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(device)
+    flops_per_token, _ = model_flops_per_token(model, x[0].cpu(), seq_len)
     gpu = device != "cpu"
 
     def sync():
@@ -114,10 +133,18 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
         model.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated() if gpu else _status_kib("VmHWM") * 1024
     step_s = statistics.median(times)
+    if gpu:
+        from mxgraph.metrics import device_peak
+        from mxgraph.runtime.cluster.device import detect
+        peak_flops = device_peak(None, detect(torch.device(device)))[1]
+    else:
+        from mxgraph.metrics import cpu_peak_flops
+        peak_flops = cpu_peak_flops()
     return {"model": model_name, "runner": runner, "device": device, "dtype": dtype,
             "params": sum(p.numel() for p in model.parameters()),
             "compile_s": max(0.0, first - warm), "step_ms": step_s * 1e3,
             "tokens_per_s": batch_size * seq_len / step_s,
+            "mfu": flops_per_token * batch_size * seq_len / step_s / peak_flops,
             "peak_mib": max(0, peak - base) / 2**20}
 
 
@@ -128,6 +155,8 @@ def main(argv=None) -> int:
     parser.add_argument("--runners", default=",".join(DEFAULT_RUNNERS),
                         help="comma-separated, of " + "; ".join(f"{k}: {v}" for k, v in RUNNERS.items()))
     parser.add_argument("--steps", type=int, default=10, help="timed steps per runner")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every (model, runner), interleaved; the fastest counts")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU, MXMACA's too)")
@@ -144,27 +173,38 @@ def main(argv=None) -> int:
     unknown = [r for r in args.runners.split(",") if r not in RUNNERS]
     if unknown:
         parser.error(f"unknown runner {unknown[0]!r}; choose from {', '.join(RUNNERS)}")
-    rows = []
-    for model_name in args.models.split(","):
-        for runner in args.runners.split(","):
+    best = {}
+    pairs = [(m, r) for m in args.models.split(",") for r in args.runners.split(",")]
+    for round_ in range(args.rounds):
+        for model_name, runner in pairs:
             command = [sys.executable, __file__, "--one", model_name, runner,
                        "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                        "--seq-len", str(args.seq_len), "--device", args.device,
                        "--dtype", args.dtype]
-            print(f"running {model_name} / {runner} ...", file=sys.stderr, flush=True)
+            print(f"round {round_ + 1}/{args.rounds}: {model_name} / {runner} ...",
+                  file=sys.stderr, flush=True)
             env = dict(os.environ, PYTHONPATH=str(ROOT))  # this checkout's mxgraph and models
             result = subprocess.run(command, capture_output=True, text=True, env=env)
             lines = [l for l in result.stdout.splitlines() if l.startswith("ROW ")]
             if result.returncode or not lines:
                 print(result.stderr[-2000:], file=sys.stderr)
-                rows.append({"model": model_name, "runner": runner, "error": True})
+                best.setdefault((model_name, runner),
+                                {"model": model_name, "runner": runner, "error": True})
                 continue
-            rows.append(json.loads(lines[0][4:]))
+            row = json.loads(lines[0][4:])
+            row["rounds"] = best.get((model_name, runner), {}).get("rounds", []) + [row["step_ms"]]
+            kept = best.get((model_name, runner))
+            if kept is None or "error" in kept or row["step_ms"] < kept["step_ms"]:
+                best[(model_name, runner)] = row
+            else:
+                kept["rounds"] = row["rounds"]
+    rows = [best[pair] for pair in pairs]
     print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"batch_size": args.batch_size, "seq_len":
                                           args.seq_len, "device": args.device,
-                                          "dtype": args.dtype, "rows": rows}, indent=2))
+                                          "dtype": args.dtype, "rounds": args.rounds,
+                                          "rows": rows}, indent=2))
     return 0
 
 
@@ -174,7 +214,8 @@ def print_table(rows) -> None:
     eager = {r["model"]: r for r in ok if r["runner"] == "eager"}
     inductor = {r["model"]: r for r in ok if r["runner"] == "inductor"}
     print(f"{'model':<12} {'runner':<23} {'params':>9} {'compile s':>9} {'step ms':>9} "
-          f"{'tokens/s':>9} {'vs eager':>9} {'vs inductor':>11} {'peak MiB':>9}")
+          f"{'tokens/s':>9} {'MFU':>6} {'vs eager':>9} {'vs inductor':>11} {'peak MiB':>9}  "
+          f"rounds (step ms)")
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<12} {r['runner']:<23} failed")
@@ -183,8 +224,8 @@ def print_table(rows) -> None:
                   else "-" for base in (eager, inductor)]
         print(f"{r['model']:<12} {r['runner']:<23} {r['params'] / 1e6:>8.2f}M "
               f"{r['compile_s']:>9.2f} {r['step_ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
-              f"{ratios[0]:>9} {ratios[1]:>11} "
-              f"{r['peak_mib']:>9.1f}")
+              f"{r['mfu']:>6.1%} {ratios[0]:>9} {ratios[1]:>11} {r['peak_mib']:>9.1f}  "
+              f"{' '.join(f'{ms:.1f}' for ms in r.get('rounds', ()))}")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,15 @@
 one torch thread per xdist worker where the workers fill the cores;
 Triton kernels on CPU tensors run in Triton's interpreter, which must be switched on
 before anything imports triton (test_kernels_compile.py runs its compile checks in a
-subprocess without it)."""
+subprocess without it); plans whose codegen is "auto" (the default) run Python codegen,
+here and in every process a test starts: Inductor's compile (tens of seconds a program on
+2 cores) under each of the suite's hundreds of compiles would not fit its 25 minutes; the
+tests of Inductor codegen ask for it in their plans (test_codegen_inductor.py,
+test_backend.py)."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("MXGRAPH_CODEGEN", "python")
 
 import torch
 from hypothesis import settings

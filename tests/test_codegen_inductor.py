@@ -90,9 +90,13 @@ def test_unknown_codegen_names_the_choices():
         mx.Plan(codegen="triton")
 
 
-def test_auto_codegen_is_inductor_on_a_gpu_and_python_on_the_cpu():
+def test_auto_codegen_is_inductor_where_it_generates_code(monkeypatch):
+    monkeypatch.delenv("MXGRAPH_CODEGEN")  # the suite's own choice (conftest.py)
     assert mx.Plan().codegen == "auto"
-    assert [mx.Plan().codegen_for(d) for d in ("cuda", "cpu")] == ["inductor", "python"]
+    assert [mx.Plan().codegen_for(d) for d in ("cuda", "cpu", "mps")] == [
+        "inductor", "inductor", "python"]
+    monkeypatch.setattr("shutil.which", lambda name: None)  # no C++ compiler
+    assert mx.Plan().codegen_for("cpu") == "python"
     assert mx.Plan(codegen="inductor").codegen_for("cpu") == "inductor"
     assert mx.Plan(codegen="python").codegen_for("cuda") == "python"
     assert mx.Plan.from_dict({"codegen": "auto"}).codegen_for("cuda") == "inductor"
