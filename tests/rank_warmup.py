@@ -5,8 +5,8 @@ dispatcher's and the fake tensors' caches: ~3 s on 2 cores) is in every rank fro
 start.
 
 It leaves no trace a rank could see: the random number generators are restored, no
-thread stays (fx's Interpreter starts tqdm's monitor thread: stopped here), no process
-group, no CUDA.
+thread stays (fx's Interpreter starts tqdm's monitor thread: stopped here; Python codegen,
+whatever MXGRAPH_CODEGEN says, so no Inductor compile workers), no process group, no CUDA.
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ import mxgraph as mx
 
 def _step(model, vocab: int) -> None:
     tokens = torch.randint(0, vocab, (2, 8))
-    step = mx.compile(model, mx.Plan())
+    step = mx.compile(model, mx.Plan(codegen="python"))  # Inductor starts compile workers
+    # (threads, a process pool) that a forked rank would inherit dead and wait on forever
     step(tokens, tokens)
 
 
