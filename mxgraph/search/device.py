@@ -19,7 +19,9 @@ ring's wire share (all-reduce 2(n-1)/n, all-gather/reduce-scatter/all-to-all (n-
 broadcast/reduce/send 1), `steps` the ring's latency hops (2(n-1) / (n-1); a tree's
 2 log2 n for an all-reduce across nodes; a ring across nodes leaves a node once per node, the
 other hops are intra-node), and the bandwidth that of the link level the
-group spans (intra-node link, or the per-GPU inter-node network), times
+group spans (intra-node link; across nodes the NICs of the group's ranks in one node
+together, one ring per NIC, at most the intra-node link: `inter_node_bandwidth`; an
+all-to-all's cross-node share goes through each rank's own NIC), times
 `comm_efficiency`. With `shared_link` (the CPU's loopback: every rank of a node sends
 through one link) the bandwidth is divided by the ranks of a node sending at once.
 Measured `[[collective]]` fits override the model for their kind and group size.
@@ -152,9 +154,12 @@ class DeviceProfile:
 
     # ---- collectives ---------------------------------------------------------------------
     def collective_time(self, kind: str, nbytes: float, group_size: int,
-                        spans_nodes: bool, ranks_sending: int | None = None) -> float:
+                        spans_nodes: bool, ranks_sending: int | None = None,
+                        ranks_per_node: int = 1) -> float:
         """Seconds for one collective of `nbytes` (full tensor) over `group_size` ranks;
-        `ranks_sending`: ranks of one node sending at once (shared links), default all."""
+        `ranks_sending`: ranks of one node sending at once (shared links), default all;
+        `ranks_per_node`: ranks of the group in each node when it spans nodes, each with
+        its own NIC (`inter_node_bandwidth`)."""
         if group_size <= 1 and kind != "send":
             return 0.0
         fit = self._fit(kind, group_size, spans_nodes)
@@ -163,18 +168,35 @@ class DeviceProfile:
         n = max(group_size, 2)
         factor = RING_FACTOR.get(kind, RING_FACTOR["all_reduce"])(n)
         if spans_nodes:  # a ring through the nodes: one hop in gpus_per_node leaves a node
-            bw = self.inter_bw
-            nodes = max(2, math.ceil(n / self.gpus_per_node))
+            local = max(1, min(ranks_per_node, n))
+            nodes = max(2, math.ceil(n / local))
             if kind == "all_reduce":
                 latency = 2 * math.log2(n) * self.inter_latency_s
             else:
                 latency = (nodes - 1) * self.inter_latency_s + (n - nodes) * self.intra_latency_s
+            if kind == "all_to_all":  # each rank's own NIC carries what leaves its node
+                return latency + max((n - local) / n * nbytes / self.inter_bw,
+                                     (local - 1) / n * nbytes / self.intra_bw
+                                     ) / self.comm_efficiency
+            bw = self.inter_node_bandwidth(local)
             return latency + factor * nbytes / (bw * self.comm_efficiency)
         bw, alpha = self.intra_bw, self.intra_latency_s
         steps = {"all_reduce": 2 * (n - 1), "send": 1}.get(kind, n - 1)
         if self.shared_link:
             bw /= max(1, ranks_sending or self.gpus_per_node)
         return alpha * steps + factor * nbytes / (bw * self.comm_efficiency)
+
+    def inter_node_bandwidth(self, ranks_per_node: int) -> float:
+        """Bus bandwidth of a ring (reduce-scatter, all-gather, all-reduce) through nodes
+        that hold `ranks_per_node` of its ranks each: NCCL runs one channel (ring) per NIC,
+        so the traffic leaving a node is spread over the group's NICs in it, while each rank
+        still moves the whole ring traffic over the intra-node link:
+        min(intra_bw, ranks_per_node x inter_bw). Source: NCCL's own cost model,
+        src/graph/tuning.cc `ncclTopoTuneModel` (busBw = nChannels x speedInter, one
+        channel per rail NIC); nccl-tests all_reduce on 8 x 400 Gb/s H100 nodes reaches a
+        bus bandwidth of ~400 GB/s, 8 NICs' worth. A group with one rank per node (dp
+        across tp-8 nodes) gets one NIC: inter_bw."""
+        return min(self.intra_bw, max(1, ranks_per_node) * self.inter_bw)
 
     def burst_saving(self, transfer_s: float, idle_s: float) -> float:
         """Seconds a collective whose bytes take `transfer_s` back to back saves after

@@ -9,8 +9,10 @@ their collectives (tp, cp, ep) timed by the alpha-beta model for the group's spa
 layers' costs come from the compiled graphs (`layer_cost.py`). Those per-stage costs, with
 the stage-boundary send time, go to `schedules.simulate` for the plan's schedule: the
 pipeline time and bubble are the simulated ones. Then the data-parallel gradient reduction
-(per bucket; reduce-scatter + all-gather under ZeRO-1; hidden behind the last micro-batch's
-backward except its last bucket when `overlap.dp_buckets` is on), the gradient-norm
+(per bucket; reduce-scatter + all-gather under ZeRO-1; when `overlap.dp_buckets` is on
+the reductions hide behind the last micro-batch's backward except the last bucket, and
+ZeRO-1's all-gathers behind the next step's first forward except the first bucket:
+`dp_reduction`), the gradient-norm
 all-reduce, and the optimizer (AdamW, memory-bound over this rank's parameters; its shard
 under ZeRO-1). With overlap on, the sequence-parallel gathers/scatters and the expert
 all-to-alls (with `moe.a2a_overlap`) are half hidden behind independent compute (1 - 1/chunks
@@ -86,12 +88,16 @@ def axis_groups(plan: Plan, gpus: int) -> dict[str, tuple[int, int]]:
 
 
 def comm_time(setting: Setting, plan: Plan, axis: str, kind: str, nbytes: float) -> float:
+    """Seconds of one collective of `nbytes` over the plan's `axis` group: its span (intra-
+    or inter-node) and, across nodes, its ranks per node (ranks `stride` apart: a node of
+    g GPUs holds min(size, g / stride) of them, each with its own NIC)."""
     size, stride = axis_groups(plan, setting.gpus)[axis]
-    spans = size * stride > setting.device.gpus_per_node if kind != "send" else \
-        stride >= setting.device.gpus_per_node
-    sending = min(setting.gpus, setting.device.gpus_per_node)
+    per_node = setting.device.gpus_per_node
+    spans = size * stride > per_node if kind != "send" else stride >= per_node
+    sending = min(setting.gpus, per_node)
+    local = max(1, min(size, per_node // stride)) if kind != "send" else 1
     return setting.device.collective_time(kind, nbytes, size if kind != "send" else 2, spans,
-                                          sending)
+                                          sending, local)
 
 
 def hidden_share(plan: Plan, axis: str, kind: str) -> float:
@@ -386,7 +392,16 @@ def recompute_delta(setting: Setting, plan: Plan, kind: str, program: str, mbs: 
 
 def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: dict,
                  ranks: dict) -> tuple[float, float]:
-    """(seconds, exposed seconds) of the gradient reduction of the busiest pipeline rank."""
+    """(seconds, exposed seconds) of the gradient reduction of the busiest pipeline rank.
+
+    Per bucket an all-reduce of the gradients (in the precision's gradient dtype), or under
+    ZeRO-1 a reduce-scatter of them and an all-gather of the updated parameters (their own
+    dtype). With `overlap.dp_buckets` (`runtime/data_parallel/overlap.py`) each bucket's
+    reduction starts when its last gradient of the last micro-batch lands: it hides behind
+    that micro-batch's backward (B and W) except the last bucket; ZeRO-1's all-gathers start
+    after the optimizer and hide behind the next step's first forward, each bucket waited
+    right before a program first reads it: all but the first bucket hide (Megatron-LM's
+    --overlap-param-gather, FSDP's forward prefetch do the same)."""
     dp = plan.dp or 1
     if dp * plan.cp == 1:
         return 0.0, 0.0
@@ -396,7 +411,8 @@ def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: di
     state = STATE_BYTES[plan.precision or setting.precision]
     widen = {kind: state.grads / state.params for kind in kinds}  # bf16-mixed: fp32 grads
     widen["all_gather"] = 1.0  # the parameters, in their own dtype
-    total = one = 0.0
+    total = {kind: 0.0 for kind in kinds}
+    one = dict(total)
     buckets = 0
     # the routed experts' gradients are reduced over the data-parallel ranks that hold the
     # same experts (dp / ep), the others' over all of dp
@@ -406,16 +422,23 @@ def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: di
             continue
         if plan.cp > 1:
             axis += "_cp"
-        one = sum(comm_time(setting, plan, axis, kind, min(bucket, grads) * widen[kind])
-                  for kind in kinds)
-        total += one * (grads / min(bucket, grads))
+        for kind in kinds:
+            one[kind] = comm_time(setting, plan, axis, kind, min(bucket, grads) * widen[kind])
+            total[kind] += one[kind] * (grads / min(bucket, grads))
         buckets += max(1, math.ceil(grads / bucket))
     overlap = plan.overlap
     if overlap is None or not overlap.dp_buckets:
-        return total, total
+        return sum(total.values()), sum(total.values())
+    reduce_kind = kinds[0]
     last_backward = max(sum(per_stage[s]["B"] + per_stage[s]["W"] for s in held)
                         for held in ranks.values())
-    return total, max(one if buckets > 1 else total, total - last_backward)
+    exposed = max(one[reduce_kind] if buckets > 1 else total[reduce_kind],
+                  total[reduce_kind] - last_backward)
+    if plan.zero1:
+        first_forward = min(sum(per_stage[s]["F"] for s in held) for held in ranks.values())
+        exposed += max(one["all_gather"] if buckets > 1 else total["all_gather"],
+                       total["all_gather"] - first_forward)
+    return sum(total.values()), exposed
 
 
 def optimizer_time(setting: Setting, plan: Plan, memory: list[dict], costs, stages,
