@@ -257,3 +257,24 @@ def test_calibrated_device_round_trip(tmp_path):
     loaded = load_device(str(path))
     assert loaded == profile
     assert loaded.peak_flops > 1e8 and loaded.hbm_bw > 1e7 and loaded.op_overhead_s > 0
+
+
+def test_math_attention_is_priced_as_a_fused_kernel():
+    """MLA's math attention (q/k head dim 48 against v's 32: no SDPA kernel on the CPU) on a
+    flash-attention device: its two forward bmms are one causal attention's FLOPs, as
+    SDPA's rule counts them (QK^T and PV over the lower triangle), and the memory-bound
+    kernels over the S x S matrices (mask, softmax, casts: more than three matrices' bytes)
+    are gone; on a math-attention device the same graph keeps them as GEMMs and
+    elementwise kernels."""
+    config = models.preset_config("moe-tiny")
+    cache, seq = TraceCache(models), 128
+    fused = cache.layer_costs(config, TraceKey(dtype="bfloat16"), seq).part("dense", "F")
+    math = cache.layer_costs(config, TraceKey(dtype="bfloat16", flash_attention=False),
+                             seq).part("dense", "F")
+    heads, qk, v = config.n_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, \
+        config.v_head_dim
+    assert sum(fused.attention) == 2 * heads * seq * seq * (qk + v) // 2
+    assert not math.attention and sum(math.gemms) == pytest.approx(
+        sum(fused.gemms) + 2 * sum(fused.attention))
+    scores = heads * seq * seq * 2  # one bf16 S x S matrix of every head
+    assert sum(math.memory) - sum(fused.memory) > 3 * scores

@@ -26,7 +26,8 @@ Node costs come from `cost.node_cost`, one rule added for the grouped expert GEM
 with `expert_impl="grouped_mm"` (the same math as a loop over experts, static shapes);
 under ep > 1 the rows a rank receives are data-dependent: nodes whose shapes are, count at
 the balanced share, their upper bound / ep (the traced ep is 2, and the balanced per-rank
-rows do not depend on ep). Collectives come from `comm_graph.graph_entries` per program,
+rows do not depend on ep). On a flash-attention device, math attention (the CPU trace's
+MLA) is priced as the fused kernel the GPU runs (`fused_attention`). Collectives come from `comm_graph.graph_entries` per program,
 data-dependent sizes at the balanced share too. Parameters are the joint graph's parameter
 placeholders at their local (sharded) shapes; saved activations are read from the same
 joint graph (`memory_plan.saved_by_layer`). The pre-score extrapolates tp > 2 from the
@@ -294,13 +295,14 @@ def read_costs(traced: Traced, compilation, key: TraceKey, seq_len: int,
     programs = compilation.programs[0]
     joint = compilation.joints[0]
     where = program_of(programs)
+    fused = fused_attention(joint.gm, seq_len, key.cp) if key.flash_attention else None
     parts: dict[tuple[str, str], PartCost] = {}
     for node in joint.gm.graph.nodes:
         if node.op != "call_function" or node.name not in where:
             continue
         custom = node.meta.get("custom") or {}
         kind = layer_kind(small, custom.get("layer"), custom.get("module", ""))
-        add_node(parts.setdefault((kind, where[node.name]), PartCost()), node, ep)
+        add_node(parts.setdefault((kind, where[node.name]), PartCost()), node, ep, fused)
     for program_kind, program in programs.all():
         phase = "forward" if program_kind == "F" else "backward"
         for entry in graph_entries(program.gm, mesh, phase, lambda upper: upper // ep):
@@ -351,8 +353,60 @@ def program_of(programs) -> dict[str, str]:
     return where
 
 
-def add_node(part: PartCost, node, ep: int) -> None:
-    """Add one node's cost to `part` by shape class (collectives are counted apart)."""
+@dataclass(frozen=True)
+class FusedAttention:
+    """The S x S values of math attention (`fused_attention`) and whether it is causal."""
+
+    numels: frozenset
+    """Element counts of the traced score/probability matrices (batch x heads x Sq x Sk)."""
+    keys: frozenset
+    """Their last dim (Sk)."""
+    causal: bool
+
+    def holds(self, node) -> bool:
+        """The node reads or writes one of the S x S matrices."""
+        for value in [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]:
+            shape = getattr(value, "shape", None)
+            if shape is not None and len(shape) >= 2 and _int(shape[-1]) in self.keys and \
+                    _numel(shape) in self.numels:
+                return True
+        return False
+
+
+SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax,
+           torch.ops.aten._softmax_backward_data}
+
+
+def fused_attention(gm, seq_len: int, cp: int) -> FusedAttention | None:
+    """Math attention (two bmms around a softmax over keys: what the trace holds when no
+    SDPA kernel takes the shapes, as MLA's q/k head dim 192 against v's 128 on the CPU)
+    as the fused kernel a GPU runs (FlashAttention-2/3, cuDNN's fused attention: the
+    `flash_attention` device flag): its S x S scores and probabilities stay on chip, so
+    the elementwise kernels over them (mask, softmax, scale, casts, softmax backward)
+    move no HBM bytes, and its bmms are the attention kernel's FLOPs, half of them
+    under a causal mask (the kernel skips the masked blocks, as `cost._attention_flops`
+    counts SDPA). Softmaxes whose last two dims are query and key lengths (the local
+    sequence, or the whole one under cp) mark it; a triangular mask of that shape makes it
+    causal. None when the graph has none (SDPA kernels are priced by their own rules)."""
+    lengths = {seq_len, seq_len // cp}
+    numels, keys, causal = set(), set(), False
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        shape = getattr(node.meta.get("val"), "shape", None)
+        if shape is None or len(shape) < 2 or not {_int(shape[-1]), _int(shape[-2])} <= lengths:
+            continue
+        if packet(node) in SOFTMAX and len(shape) >= 3:
+            numels.add(_numel(shape))
+            keys.add(_int(shape[-1]))
+        elif packet(node) in (torch.ops.aten.tril, torch.ops.aten.triu):
+            causal = True
+    return FusedAttention(frozenset(numels), frozenset(keys), causal) if numels else None
+
+
+def add_node(part: PartCost, node, ep: int, fused: FusedAttention | None = None) -> None:
+    """Add one node's cost to `part` by shape class (collectives are counted apart);
+    `fused`: math attention priced as a fused kernel (`fused_attention`)."""
     name = getattr(node.target, "__name__", "").split(".")[0]
     namespace = getattr(node.target, "namespace", "")
     if namespace == "mxgraph" and name in GROUPED:
@@ -368,6 +422,10 @@ def add_node(part: PartCost, node, ep: int) -> None:
         return
     share = _share(node, ep)
     p = packet(node)
+    if fused is not None and fused.holds(node):
+        if p in MATMUL_OPS:  # a matmul of the fused kernel; the rest stays on chip
+            part.attention.append(cost.flops / share / (2 if fused.causal else 1))
+        return
     if p in MATMUL_OPS:
         part.gemms.append(cost.flops / share)
     elif p in ATTENTION_OPS or name in ATTENTION_BACKWARD:
