@@ -113,6 +113,9 @@ def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
 
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     table = select_decomp_table()
     if all(v.device.type == "cpu" for v in leaves if isinstance(v, torch.Tensor)):  # fused ops: their references, fused
@@ -126,6 +129,11 @@ def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
         with torch.no_grad():
             with fake_mode or contextlib.nullcontext():  # factories (no tensor argument) too
                 traced = make_fx(flat, decomposition_table=table)(*leaves)
+            # what torch.compile runs on its joint graph before partitioning it (no-op
+            # removal, pattern rewrites, random ops as Inductor's seeded ones), needed by
+            # compile_fx_inner after it (a dropout is refused without it)
+            with V.set_fake_mode(fake_mode or FakeTensorMode()):
+                traced = joint_graph_passes(traced)
             compiled = compile_fx_inner(traced, leaves)
     except Exception as error:  # noqa: BLE001 - reported by the caller, which falls back
         raise NotLowered(f"Inductor refused it: {type(error).__name__}: "
