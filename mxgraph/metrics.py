@@ -14,7 +14,8 @@ MFU = model FLOPs per token (`mxgraph.flops`: measured from the model's own ops)
 per second over every data-parallel rank / (the device profile's peak_flops x processes).
 The peak comes from --device-profile, else from the built-in profile of this device's name
 (`PROFILE_BY_DEVICE_NAME`); on the CPU it is measured at the start, the machine's fp32 GEMM
-rate, which the run's processes share (`device_peak`). On a GPU no profile matches, MFU is NaN and a warning says so.
+rate, which the run's processes share (`device_peak`). On a GPU no profile matches, MFU is
+NaN and a warning says so.
 
 Validation between steps changes nothing of the training: it reads its own fixed batches,
 runs without gradients in eval mode, and the random states are put back after it
@@ -134,10 +135,13 @@ def device_peak(profile: str | None, info: DeviceInfo, processes: int = 1
 
 def cpu_peak_flops(n: int = 1024) -> float:
     """This machine's fp32 peak, FLOP/s: one core's best rate of an n x n GEMM (of 3)
-    times the cores this process may run on. Measured by rank 0 and broadcast, so every
-    rank divides by the same figure and no two ranks measure at once."""
+    times the cores this process may run on. Under a gloo process group rank 0 measures
+    and broadcasts it, so every rank divides by the same figure and no two ranks measure at
+    once."""
     rate = torch.zeros(1, dtype=torch.float64)
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    shared = dist.is_initialized() and dist.get_world_size() > 1 and \
+        dist.get_backend() == "gloo"
+    if not shared or dist.get_rank() == 0:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -152,7 +156,7 @@ def cpu_peak_flops(n: int = 1024) -> float:
             torch.set_num_threads(threads)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         rate[0] = 2 * n ** 3 / best * cores
-    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+    if shared:
         dist.broadcast(rate, src=0)
     return float(rate[0])
 

@@ -26,6 +26,10 @@ OFFLOAD_KINDS = ("all", "attn", "mlp", "norm", "act", "moe")
 CODEGENS = ("auto", "python", "inductor")
 """`Plan.codegen` choices."""
 
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")  # `Plan.precision`; runtime/precision.py: what each holds
+FUSION_KINDS = ("swiglu", "bias_gelu", "bias_dropout_add", "rope", "gqa", "rmsnorm",
+                "linear_cross_entropy", "moe_permute", "moe_router")
+
 
 def inductor_generates_for(device_type: str) -> bool:
     """Whether Inductor generates code for `device_type` here: Triton on a GPU (cuda,
@@ -33,9 +37,6 @@ def inductor_generates_for(device_type: str) -> bool:
     if device_type == "cpu":
         return any(shutil.which(cxx) for cxx in ("g++", "c++", "clang++"))
     return device_type in ("cuda", "xpu")
-PRECISIONS = ("fp32", "bf16-mixed", "bf16")  # `Plan.precision`; runtime/precision.py: what each holds
-FUSION_KINDS = ("swiglu", "bias_gelu", "bias_dropout_add", "rope", "gqa", "rmsnorm",
-                "linear_cross_entropy", "moe_permute", "moe_router")
 
 
 @dataclass(kw_only=True)
