@@ -69,6 +69,17 @@ ERRORS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def fresh_console_log(monkeypatch):
+    """The mxgraph logger as a fresh `mxgraph` process has it: no console handler yet (an
+    earlier test in this worker may have run `train`, which adds one), so stderr holds
+    what a user sees."""
+    import logging
+    logger = logging.getLogger("mxgraph")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "level", logging.NOTSET)
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("data_errors")

@@ -27,11 +27,11 @@ with `expert_impl="grouped_mm"` (the same math as a loop over experts, static sh
 under ep > 1 the rows a rank receives are data-dependent: nodes whose shapes are, count at
 the balanced share, their upper bound / ep (the traced ep is 2, and the balanced per-rank
 rows do not depend on ep). On a flash-attention device, math attention (the CPU trace's
-MLA) is priced as the fused kernel the GPU runs (`fused_attention`). Collectives come from `comm_graph.graph_entries` per program,
-data-dependent sizes at the balanced share too. Parameters are the joint graph's parameter
-placeholders at their local (sharded) shapes; saved activations are read from the same
-joint graph (`memory_plan.saved_by_layer`). The pre-score extrapolates tp > 2 from the
-traces at tp 1 and 2 (`TraceCache.estimate`).
+MLA) is priced as the fused kernel the GPU runs (`fused_attention`). Collectives come from
+`comm_graph.graph_entries` per program, data-dependent sizes at the balanced share too.
+Parameters are the joint graph's parameter placeholders at their local (sharded) shapes;
+saved activations are read from the same joint graph (`memory_plan.saved_by_layer`). The
+pre-score extrapolates tp > 2 from the traces at tp 1 and 2 (`TraceCache.estimate`).
 """
 from __future__ import annotations
 
