@@ -168,17 +168,9 @@ def save(args, results: dict) -> None:
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:
-    def ranks(values):
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0.0] * len(values)
-        for rank, i in enumerate(order):
-            out[i] = float(rank)
-        return out
-    rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    if n < 2:
-        return None  # no order to compare
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
+    """Spearman rank correlation of measured and predicted (bench_search_published's)."""
+    from bench_search_published import spearman as rank_correlation
+    return rank_correlation(xs, ys)
 
 
 def _setting(model: str, device, args):
