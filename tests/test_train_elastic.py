@@ -32,7 +32,7 @@ def test_a_node_lost_for_good_shrinks_dp_and_training_goes_on(tmp_path):
     # follows the log line of step 10's in-memory copy, and its disk write may still have
     # been under way (then step 5's) or later ones done
     resumed = re.search(r"restart 1 \(at most 3\): resumed at step (\d+) from disk", out)
-    assert resumed and int(resumed.group(1)) % 5 == 0 and 5 <= int(resumed.group(1)) < 20, out
+    assert resumed and int(resumed.group(1)) % 5 == 0 and 5 <= int(resumed.group(1)) < 40, out
     assert "the job runs on 1 process(es) now, the checkpoint was saved on 2: data " \
            "parallelism is 1 now" in out, out
     final = re.search(r"train loss (\d+\.\d+) \| validation loss (\d+\.\d+)", out)

@@ -8,7 +8,7 @@ set -u
 cd "$(dirname "$0")/../.."
 d=$(mktemp -d); port=$((20000 + RANDOM % 20000))
 args="train --nproc 1 --nnodes 1:2 --rdzv-endpoint 127.0.0.1:$port --rdzv-id el$port --max-restarts 3
-      --save-every 5 --steps 20 --model llama-tiny --batch-size 2 --seq-len 16 --val-batches 1
+      --save-every 5 --steps 40 --model llama-tiny --batch-size 2 --seq-len 16 --val-batches 1
       --no-progress --checkpoint-dir $d/ck"
 py=${PYTHON:-python}  # the environment mxgraph is installed in (an activated venv)
 setsid "$py" -m mxgraph.cli $args > "$d/a.log" 2>&1 & a=$!
