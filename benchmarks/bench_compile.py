@@ -79,10 +79,9 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
     if model_name in HF_MODELS:
         from mxgraph.hf import build_hf_model
         model = build_hf_model(*HF_MODELS[model_name], dtype=getattr(torch, dtype)).to(device)
-        vocab = model.config.vocab_size
     else:
         model = models.build_model(model_name, device=device, dtype=getattr(torch, dtype))
-        vocab = model.config.vocab_size
+    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(device)
     y = torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(device)
@@ -133,13 +132,9 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
         model.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated() if gpu else _status_kib("VmHWM") * 1024
     step_s = statistics.median(times)
-    if gpu:
-        from mxgraph.metrics import device_peak
-        from mxgraph.runtime.cluster.device import detect
-        peak_flops = device_peak(None, detect(torch.device(device)))[1]
-    else:
-        from mxgraph.metrics import cpu_peak_flops
-        peak_flops = cpu_peak_flops()
+    from mxgraph.metrics import device_peak
+    from mxgraph.runtime.cluster.device import detect
+    peak_flops = device_peak(None, detect(torch.device(device)))[1]
     return {"model": model_name, "runner": runner, "device": device, "dtype": dtype,
             "params": sum(p.numel() for p in model.parameters()),
             "compile_s": max(0.0, first - warm), "step_ms": step_s * 1e3,
@@ -173,8 +168,9 @@ def main(argv=None) -> int:
     unknown = [r for r in args.runners.split(",") if r not in RUNNERS]
     if unknown:
         parser.error(f"unknown runner {unknown[0]!r}; choose from {', '.join(RUNNERS)}")
-    best = {}
     pairs = [(m, r) for m in args.models.split(",") for r in args.runners.split(",")]
+    best = {pair: {"model": pair[0], "runner": pair[1], "error": True} for pair in pairs}
+    rounds = {pair: [] for pair in pairs}  # step ms of every round that ran
     for round_ in range(args.rounds):
         for model_name, runner in pairs:
             command = [sys.executable, __file__, "--one", model_name, runner,
@@ -188,17 +184,14 @@ def main(argv=None) -> int:
             lines = [l for l in result.stdout.splitlines() if l.startswith("ROW ")]
             if result.returncode or not lines:
                 print(result.stderr[-2000:], file=sys.stderr)
-                best.setdefault((model_name, runner),
-                                {"model": model_name, "runner": runner, "error": True})
                 continue
             row = json.loads(lines[0][4:])
-            row["rounds"] = best.get((model_name, runner), {}).get("rounds", []) + [row["step_ms"]]
-            kept = best.get((model_name, runner))
-            if kept is None or "error" in kept or row["step_ms"] < kept["step_ms"]:
+            rounds[(model_name, runner)].append(row["step_ms"])
+            kept = best[(model_name, runner)]
+            if "error" in kept or row["step_ms"] < kept["step_ms"]:
                 best[(model_name, runner)] = row
-            else:
-                kept["rounds"] = row["rounds"]
-    rows = [best[pair] for pair in pairs]
+    rows = [best[pair] if "error" in best[pair] else {**best[pair], "rounds": rounds[pair]}
+            for pair in pairs]
     print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"batch_size": args.batch_size, "seq_len":

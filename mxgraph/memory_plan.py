@@ -52,7 +52,7 @@ from mxgraph.passes.memory.regions import Graph, all_units, norm_units
 from mxgraph.passes.memory.remat import apply_remat
 from mxgraph.plan import Plan
 from mxgraph.runtime.cluster.mesh import Mesh
-from mxgraph.runtime.precision import PARAM_DTYPE, STATE_BYTES, precision_of_dtype
+from mxgraph.runtime.precision import PARAM_DTYPE, STATE_BYTES, holds_returned_grads, precision_of_dtype
 from mxgraph.schedules import build_schedule, simulate
 
 _GiB = 2 ** 30
@@ -263,8 +263,8 @@ def estimate_memory(model, plan: Plan, *, batch_size: int = 1, seq_len: int | No
         if first or last:
             per_mb += acts.other // (2 if plan.pp > 1 else 1) // plan.tp
         flight = flights.get(stage, 1.0)
-        returned = elements * dtype.itemsize if precision == "bf16-mixed" or \
-            plan.micro_batches > 1 else 0  # gradients a backward returns beside the kept ones
+        returned = elements * dtype.itemsize if holds_returned_grads(
+            precision, plan.micro_batches) else 0
         stages.append(StageMemory(stage=stage, layers=len(layers), params=params,
                                   grads=elements * state.grads,
                                   optimizer=optimizer, activations=int(per_mb * flight),

@@ -64,6 +64,14 @@ STATE_BYTES = {"fp32": StateBytes(params=4, grads=4, master=0, optimizer=8),
                "bf16": StateBytes(params=2, grads=2, master=0, optimizer=4)}
 
 
+def holds_returned_grads(precision: str, micro_batches: int) -> bool:
+    """Whether a step holds, at its peak, a second gradient per parameter in the parameter
+    dtype beside the kept ones: the gradients a backward program returns together, which
+    are added into the kept ones after it ends (under bf16-mixed always: into the fp32 main
+    gradients; else with several micro-batches: into the earlier ones' sum)."""
+    return precision == "bf16-mixed" or micro_batches > 1
+
+
 def precision_of_dtype(dtype: torch.dtype) -> str:
     """The precision a model whose parameters are `dtype` trains in without a
     `Plan.precision`: its own dtype throughout (bf16 or fp16: pure, 2-byte state)."""

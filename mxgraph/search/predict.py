@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from mxgraph.memory_plan import stage_layers
 from mxgraph.plan import Plan
-from mxgraph.runtime.precision import STATE_BYTES
+from mxgraph.runtime.precision import STATE_BYTES, holds_returned_grads
 from mxgraph.schedules import Costs
 from mxgraph.search.device import DeviceProfile
 from mxgraph.search.layer_cost import TRACED_EP, PartCost, TraceKey
@@ -275,12 +275,10 @@ def rank_bytes(memory: dict) -> float:
 
 def returned_grads(plan: Plan, precision: str) -> int:
     """Gradient-sized buffers in the parameter dtype held at the peak beside the kept
-    gradients (1 or 0): the gradients a backward program returns all at once, which are
-    added in after it ends: under bf16-mixed always (into the fp32 main gradients), else
-    with several micro-batches (into the earlier ones' sum). With `overlap.dp_buckets` each
-    is added the moment it exists instead."""
+    gradients (1 or 0; `precision.holds_returned_grads`), but none with
+    `overlap.dp_buckets`, which adds each gradient the moment it exists."""
     announced = plan.overlap is not None and plan.overlap.dp_buckets
-    return int(not announced and (precision == "bf16-mixed" or plan.micro_batches > 1))
+    return int(not announced and holds_returned_grads(precision, plan.micro_batches))
 
 
 # ---- the prediction -----------------------------------------------------------------------
