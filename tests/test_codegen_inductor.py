@@ -174,3 +174,30 @@ def test_executor_callbacks_fire_in_lowered_programs(monkeypatch):
     from tests.distributed import run_ranks
     monkeypatch.setenv("MXGRAPH_STRICT", "1")
     run_ranks(2, _callbacks_under_inductor)
+
+
+def test_a_size_no_input_binds_is_made_a_symbol_of_its_own():
+    """A W program of expert parallelism reads tokens received from two ranks, (u0 + u1, d),
+    and neither count: Inductor binds symbols only from a size that is one symbol, so the
+    size becomes a fresh symbol (the same one on every input that has it) and the program
+    lowers and computes what eager torch does."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from mxgraph.codegen.inductor import compile_graph
+
+    def program(x, y):
+        return (x * y).sum(0), x.t() @ y
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode, mode.shape_env.ignore_fresh_unbacked_symbols():  # as received counts are
+        u0, u1 = mode.shape_env.create_unbacked_symint(), mode.shape_env.create_unbacked_symint()
+        torch._check(u0 >= 0), torch._check(u1 >= 0)
+        x, y = torch.empty(u0 + u1, 4), torch.empty(u0 + u1, 4)
+    gm = make_fx(program)(x, y)
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), (x, y), strict=True):
+        node.meta["val"] = value
+    fn, _ = compile_graph(gm, [x, y])
+    a, b = torch.randn(5, 4), torch.randn(5, 4)
+    for got, want in zip(fn(a, b), program(a, b), strict=True):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)

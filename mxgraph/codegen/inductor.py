@@ -122,6 +122,7 @@ def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
         from mxgraph.codegen.kernels import cpu_decompositions
         table = {**table, **cpu_decompositions()}
     fake_mode = detect_fake_mode(leaves)
+    leaves = _bindable(leaves, fake_mode)
     allowed = fake_mode is not None and fake_mode.allow_non_fake_inputs
     try:
         if fake_mode is not None:  # the graph's own constants are real tensors
@@ -147,6 +148,48 @@ def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
         flat_inputs, _ = tree_flatten(list(args))
         return tree_unflatten(list(compiled(flat_inputs)), spec)
     return run, getattr(compiled, "source_code", "") or ""
+
+
+def _bindable(leaves: list, fake_mode) -> list:
+    """`leaves` with each data-dependent size Inductor could not bind at run time made a
+    fresh symbol of its own. Inductor's program reads its symbols from its inputs: from a
+    size or stride that is one symbol, or from a size input. A size that is an expression
+    of symbols none of those give (a W program's (u2 + u3, d) tokens received from two
+    ranks, with neither count handed over) it refuses. The same expression becomes the same
+    symbol on every input, so dimensions that must agree still do."""
+    if fake_mode is None or fake_mode.shape_env is None:
+        return leaves
+
+    def expr(value):
+        return value.node.expr if isinstance(value, torch.SymInt) else None
+    tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+    bound = {e for v in leaves for e in [expr(v)] if e is not None and e.is_Symbol}
+    bound |= {e for t in tensors for d in (*t.shape, *t.stride()) for e in [expr(d)]
+              if e is not None and e.is_Symbol}
+    fresh: dict = {}
+
+    def rebind(dim):
+        e = expr(dim)
+        if e is None or e.is_Symbol or e.free_symbols <= bound:
+            return dim
+        if e not in fresh:
+            with shape_env.ignore_fresh_unbacked_symbols():  # an input's, no op's output
+                fresh[e] = shape_env.create_unbacked_symint()
+        return fresh[e]
+    shape_env, out = fake_mode.shape_env, []
+    for value in leaves:
+        if not isinstance(value, torch.Tensor):
+            out.append(value)
+            continue
+        shape, stride = [rebind(d) for d in value.shape], [rebind(d) for d in value.stride()]
+        if all(a is b for a, b in zip([*shape, *stride], [*value.shape, *value.stride()],
+                                      strict=True)):
+            out.append(value)
+            continue
+        with fake_mode:
+            out.append(torch.empty_strided(shape, stride, dtype=value.dtype,
+                                           device=value.device))
+    return out
 
 
 def fall_back(title: str, reason: NotLowered) -> None:
