@@ -36,8 +36,8 @@ RUNNERS = {
     "mxmaca": 'torch.compile(model, backend="mxmaca")',
     "mxmaca-inductor": 'torch.compile(model, backend="mxmaca", '
                        'options={"plan": Plan(codegen="inductor")})',
-    "mxgraph": 'mxgraph.compile(model) (the default plan: codegen="auto", Inductor on a GPU, '
-               'Python on the CPU)',
+    "mxgraph": 'mxgraph.compile(model) (the default plan: codegen="auto", Inductor wherever '
+               'it generates code, the CPU with a C++ compiler included)',
     "mxgraph-fusion": "mxgraph.compile(model, Plan(fusion=True))",
     "mxgraph-python": 'mxgraph.compile(model, Plan(codegen="python"))',
     "mxgraph-python-fusion": 'mxgraph.compile(model, Plan(codegen="python", fusion=True))',

@@ -42,6 +42,7 @@ from mxgraph.errors import TraceError
 from mxgraph.passes.cleanup import safe_views_pass
 from mxgraph.passes.runner import record_graphs
 from mxgraph.plan import Plan
+from mxgraph.runtime import host_memory
 
 
 class BackendFallbackWarning(UserWarning):
@@ -103,7 +104,10 @@ def mxmaca_backend(gm: torch.fx.GraphModule, example_inputs, options: dict | Non
         forward = safe_views_pass(run_graph_passes("forward", forward, ctx), ctx)
         forward.recompile()
     devices = [v.device.type for v in example_inputs if isinstance(v, torch.Tensor)]
-    compilers = _compilers(plan, region, devices[0] if devices else "cpu")
+    device_type = devices[0] if devices else "cpu"
+    if device_type == "cpu":  # freed blocks kept for the next step, as on a GPU
+        host_memory.keep_freed_memory()
+    compilers = _compilers(plan, region, device_type)
     compiler = aot_autograd(**compilers, partition_fn=functools.partial(_partition, ctx=ctx),
                             keep_inference_input_mutations=True)
     if forward is None:

@@ -21,7 +21,7 @@ from mxgraph.context import CompileContext
 from mxgraph.driver import compile_step
 from mxgraph.errors import PlanError
 from mxgraph.plan import Plan
-from mxgraph.runtime import moe_stats
+from mxgraph.runtime import host_memory, moe_stats
 from mxgraph.runtime.cluster.mesh import Mesh
 from mxgraph.runtime.data_parallel.buckets import DataParallel, bucket_layout
 from mxgraph.runtime.data_parallel.copy_engine import TransferLane
@@ -105,6 +105,8 @@ class Step:
         self.mesh = mesh or Mesh.from_plan(plan)
         """This rank's mesh; `Mesh.on_paper(...)` compiles for many ranks without running
         (see `mxgraph.comm.comm_report`)."""
+        if self.mesh.device.type == "cpu":  # freed blocks kept for the next step, as on a GPU
+            host_memory.keep_freed_memory()
         self._compiled: dict[tuple, PipelineExecutor] = {}
         self._evaluators: dict[tuple, PipelineExecutor] = {}
         """Forward-only executors (`eval_loss`), by input signature."""

@@ -11,6 +11,7 @@ disabled); `stop_after=` any step.
 from __future__ import annotations
 
 from mxgraph.errors import PlanError
+from mxgraph.passes.causal_mask import causal_mask_pass
 from mxgraph.passes.cleanup import dead_code_pass, remove_noop_joint_pass, remove_noop_pass, safe_views_pass
 from mxgraph.passes.fusion.fuse import fuse_pass
 from mxgraph.passes.fusion.residual_grad import fuse_residual_grad_pass
@@ -40,6 +41,10 @@ FORWARD_PASSES = [
     PassSpec("remove_noop", remove_noop_pass, "forward",
              "first: later matchers then see no alias/identity dropout between ops (a detach "
              "stays: it stops gradients until autograd)"),
+    PassSpec("causal_mask", causal_mask_pass, "forward",
+             "after remove_noop, before the sharding and fusion passes: they see a causal "
+             "mask built from shapes (a Hugging Face model's under torch.export) as "
+             "SDPA's is_causal, as they see a model that asks for it"),
     PassSpec("moe_capacity", moe_capacity_pass, "forward",
              "before shard_ep, instead of it when moe.capacity_factor is set: it pads the MoE "
              "blocks as traced and shards them over ep with equal-block all-to-alls"),
