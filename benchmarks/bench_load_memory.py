@@ -73,7 +73,6 @@ def worker(directory: str, plan_text: str, out: str) -> None:
     rank = dist.get_rank()
     after_imports = status_kib("VmRSS")
     model = mxgraph.hf.load(directory)
-    model.config.use_cache = False
     fields = dict(item.split("=") for item in plan_text.split(",") if item)
     step = mxgraph.compile(model, Plan(**{k: int(v) for k, v in fields.items()}))
     tokens = torch.zeros(1, 16, dtype=torch.long)
