@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from mxgraph.context import CompileContext
-from mxgraph.ir import is_random, schema_arg
+from mxgraph.ir import ancestors, is_random, schema_arg
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
@@ -36,6 +36,8 @@ MAX_ELEMENTS = 2**27
 
 def causal_mask_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """Rewrite each SDPA whose mask is the causal one to `is_causal=True` (module text)."""
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    causal: dict[tuple[Node, int], bool] = {}  # a mask every layer reads: evaluated once
     masks: list[Node] = []
     for node in list(gm.graph.find_nodes(op="call_function", target=_SDPA)):
         mask = schema_arg(node, "attn_mask")
@@ -44,8 +46,10 @@ def causal_mask_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
         q_len, k_len = (_shape(a)[-2] for a in node.args[:2])
         if q_len != k_len:
             continue
-        value = _evaluate(mask, ctx)
-        if value is None or not _is_causal(value, q_len):
+        if (mask, q_len) not in causal:
+            value = _evaluate(mask, position, ctx)
+            causal[mask, q_len] = value is not None and _is_causal(value, q_len)
+        if not causal[mask, q_len]:
             continue
         node.args = tuple(node.args[:3])
         node.kwargs = {"dropout_p": schema_arg(node, "dropout_p", 0.0), "is_causal": True,
@@ -53,7 +57,12 @@ def causal_mask_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
                           if schema_arg(node, key) not in (None, False)}}
         masks.append(mask)
     if masks:
-        _drop_unread(gm, masks)
+        # the masks' ops nothing reads any more, last first (ATen ops without side effects:
+        # `_evaluate` ran them)
+        computed = ancestors(masks)
+        for node in reversed(list(gm.graph.nodes)):
+            if node in computed and not node.users:
+                gm.graph.erase_node(node)
         gm.recompile()
     return gm
 
@@ -63,33 +72,29 @@ def _shape(node) -> tuple:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else (None, None)
 
 
-def _evaluate(mask: Node, ctx: CompileContext) -> torch.Tensor | None:
-    """The mask's value, computed on the CPU from its ancestors; None where it reads a graph
-    input, a random op or anything but ATen ops, or is too large."""
-    order, seen, todo = [], set(), [mask]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node.op != "call_function" or is_random(node) or not isinstance(
-                node.target, torch._ops.OpOverload):
-            return None
-        order.append(node)
-        todo.extend(n for n in node.all_input_nodes if n not in seen)
+def _evaluate(mask: Node, position: dict[Node, int],
+              ctx: CompileContext) -> torch.Tensor | None:
+    """The mask's value, computed on the CPU from its ancestors (run in graph order,
+    `position`); None where it reads a graph input, a random op or anything but ATen ops,
+    or is too large."""
+    nodes = sorted(ancestors([mask]), key=position.__getitem__)
+    if any(n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload)
+           or is_random(n) for n in nodes):
+        return None
     value = mask.meta.get("val")
     if not isinstance(value, torch.Tensor) or max(
-            _unbroadcast_numel(n) for n in order) > MAX_ELEMENTS:
-        ctx.findings.append(f"causal_mask: {mask.name}: an attention mask of shape "
-                    f"{tuple(value.shape) if isinstance(value, torch.Tensor) else '?'} "
-                    "was not evaluated (too large or unknown); SDPA keeps it")
+            _unbroadcast_numel(n) for n in nodes) > MAX_ELEMENTS:
+        ctx.findings.append(
+            f"causal_mask: {mask.name}: an attention mask of shape "
+            f"{tuple(value.shape) if isinstance(value, torch.Tensor) else '?'} was not "
+            "evaluated (too large or unknown); SDPA keeps it")
         return None
     env: dict[Node, object] = {}
 
     def on_cpu(arg):
         return torch.device("cpu") if isinstance(arg, torch.device) else arg
     try:
-        for node in sorted(order, key=_position(mask.graph)):
+        for node in nodes:
             args = map_arg(node.args, env.__getitem__)
             kwargs = {k: on_cpu(v) for k, v in map_arg(node.kwargs, env.__getitem__).items()}
             env[node] = node.target(*args, **kwargs)
@@ -107,11 +112,6 @@ def _unbroadcast_numel(node: Node) -> int:
                            if st != 0]).numel())
 
 
-def _position(graph):
-    index = {node: i for i, node in enumerate(graph.nodes)}
-    return index.__getitem__
-
-
 def _is_causal(mask: torch.Tensor, length: int) -> bool:
     """`mask` (broadcastable to [..., length, length]) keeps exactly the lower triangle."""
     if mask.ndim < 2 or mask.shape[-2:] != (length, length):
@@ -127,20 +127,6 @@ def _is_causal(mask: torch.Tensor, length: int) -> bool:
     else:
         return False
     return bool((kept == lower).all())
-
-
-def _drop_unread(gm: GraphModule, masks: list[Node]) -> None:
-    """Erase the masks' nodes and their ancestors that nothing reads any more (all are
-    ATen ops without side effects: `_evaluate` ran them)."""
-    ancestors, todo = set(), list(masks)
-    while todo:
-        node = todo.pop()
-        if node not in ancestors:
-            ancestors.add(node)
-            todo.extend(node.all_input_nodes)
-    for node in reversed(list(gm.graph.nodes)):
-        if node in ancestors and not node.users:
-            gm.graph.erase_node(node)
 
 
 __all__ = ["MAX_ELEMENTS", "causal_mask_pass"]
