@@ -2,15 +2,16 @@
 
 Every row of `published_runs.toml` (beside this file; its header says what a row holds) is
 predicted with `mxgraph.search.predict.predict` - no measuring, prediction only - for the
-row's model, device profile, GPU count, batch, sequence length and layout as published. One
+row's model, device profile, GPU count, batch, sequence length and layout as published (a
+row trained in fp8 gets its layers' GEMMs at the profile's FP8 rate: `Setting.fp8`). One
 table: what, layout, published and predicted tokens/s/GPU and the error; then the median
 and max |error|, the rows within 15%, and per family (rows of one source that vary the
 layout at a fixed model) whether the predicted order of its rows is the published one
 (Spearman of the two, and "same" when the rankings are equal).
 
 The rows are a check: no device-profile number may be fitted to them (issue #31). The
-JSON keeps, per row, the prediction's parts too: step time, bubble, exposed communication,
-peak memory, and MFU (3 x the traced forward FLOPs, attention as traced, recompute not
+JSON keeps, per row, the prediction's parts too: step time and its breakdown by component
+(`predict.BREAKDOWN`), bubble, exposed communication, peak memory, and MFU (3 x the traced forward FLOPs, attention as traced, recompute not
 counted, / (step time x GPUs x the profile's dense peak)).
 
     python benchmarks/bench_search_published.py [--run "MPT-7B, 8 H100" --run ...]
@@ -114,7 +115,8 @@ def predict_run(run: dict, library) -> dict:
     from mxgraph.search.setting import Setting
     plan, mbs, dp = plan_of(run)
     setting = Setting(model_config(run, library), load_device(run["device"]), run["gpus"],
-                      run["global_batch"], run["seq_len"], library)
+                      run["global_batch"], run["seq_len"], library,
+                      fp8=run["precision"] == "fp8")
     started = time.perf_counter()
     p = predict(setting, plan, mbs)
     published = run["published_tokens_per_s_per_gpu"]
@@ -127,6 +129,7 @@ def predict_run(run: dict, library) -> dict:
             "error": p.tokens_per_s_per_gpu / published - 1, "predicted_mfu": p.mfu,
             "predicted_step_s": p.step_s, "bubble": p.bubble,
             "exposed_comm_s": p.exposed_comm_s, "peak_memory_gib": p.peak_memory_gib,
+            "breakdown_s": p.breakdown_s,
             "predict_s": round(time.perf_counter() - started, 2), "source": run["source"]}
 
 

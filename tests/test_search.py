@@ -182,11 +182,13 @@ def test_cli_json_plans_and_evaluate(tmp_path, capsys):
                          "--json", str(out),
                          "--plans-dir", str(plans), "--explain")
     assert code == 0 and "tok/s/GPU" in text and "pruned:" in text
+    assert "by component" in text and "not modelled:" in text
     rows = json.loads(out.read_text())
     assert len(rows) == 2
     for row in rows:
         assert {"plan", "step_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "bubble",
-                "exposed_comm_s"} <= set(row)
+                "exposed_comm_s", "breakdown_s"} <= set(row)
+        assert sum(row["breakdown_s"].values()) == pytest.approx(row["step_s"], rel=1e-9)
     plan = Plan.from_toml(plans / "plan1.toml")
     assert plan.tp == rows[0]["plan"]["tp"] and plan.pp == rows[0]["plan"]["pp"]
     one = tmp_path / "one.json"

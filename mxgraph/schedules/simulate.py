@@ -62,11 +62,18 @@ class Costs:
     per_stage: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
     """Overrides by stage: {stage: {"F": .., "B": .., "W": .., "BW": ..}}; missing keys
     fall back to the fields above (BW to that stage's B + W)."""
+    hidden_in_pair: Mapping[int, Mapping[str, float]] = field(default_factory=dict)
+    """By stage, the time of its F, B or BW that an OVERLAP_F_B pair can hide behind the
+    pair's other part (a collective's wait that runs while the other part computes:
+    DualPipe's F&B overlap); each part hides at most the other part's duration, and a pair
+    lasts at least its longer part."""
 
     def __post_init__(self) -> None:
         values = {"f": self.f, "b": self.b, "w": self.w, "bw": self.bw, "send": self.send,
                   "recv": self.recv, "comm": self.comm, "overlap_factor": self.overlap_factor}
         values.update({f"per_stage[{s}][{k!r}]": v for s, d in self.per_stage.items() for k, v in d.items()})
+        values.update({f"hidden_in_pair[{s}][{k!r}]": v for s, d in self.hidden_in_pair.items()
+                       for k, v in d.items()})
         for name, value in values.items():
             if value is not None and not (0.0 <= value < float("inf")):
                 raise PlanError(f"cost {name} must be finite and >= 0, got {value}")
@@ -78,7 +85,7 @@ class Costs:
     def of(self, action: Action) -> float:
         kind = action.kind
         if kind == OVERLAP_F_B:
-            return self.overlap_factor * sum(self.of(p) for p in action.parts)
+            return self.overlap_factor * self._pair(action.parts)
         if kind in (SEND_F, SEND_B):
             return self.send
         if kind in (RECV_F, RECV_B):
@@ -92,6 +99,17 @@ class Costs:
                 return self.bw
             return over.get(B, self.b) + over.get(W, self.w)
         return over.get(kind, base[kind])
+
+
+    def _pair(self, parts) -> float:
+        """An F&B pair's parts run together: each hides up to `hidden_in_pair` of its time
+        behind the other part."""
+        times = [self.of(p) for p in parts]
+        if not self.hidden_in_pair or len(parts) != 2:
+            return sum(times)
+        hidden = sum(min(self.hidden_in_pair.get(p.stage, {}).get(p.kind, 0.0), times[1 - i])
+                     for i, p in enumerate(parts))
+        return max(max(times), sum(times) - hidden)
 
 
 def _recv_source(a: Action) -> tuple[str, int, int]:

@@ -47,11 +47,14 @@ def add_search_parser(commands, parents, library) -> None:
     p.add_argument("--top-k", type=int, default=5, help="plans to show (default 5)")
     p.add_argument("--json", help="write the plans (best first) as a JSON list of {plan, "
                    "step_s, tokens_per_s_per_gpu, mfu, peak_memory_gib, bubble, "
-                   "exposed_comm_s} to this path")
+                   "exposed_comm_s, breakdown_s} to this path")
     p.add_argument("--plans-dir", help="write each top plan as DIR/planN.toml, runnable by "
                    "mxgraph train --plan (its --batch-size is written in a comment)")
-    p.add_argument("--explain", action="store_true", help="show how many candidates each "
-                   "pruning rule removed and the best pruned ones with the reason")
+    p.add_argument("--explain", action="store_true", help="show the top plan's step time by "
+                   "component (GEMMs, attention, memory-bound kernels, exposed layer "
+                   "communication, pipeline wait, gradient sync, optimizer) and what is not "
+                   "modelled; with a search, also how many candidates each pruning rule "
+                   "removed and the best pruned ones with the reason")
     p.add_argument("--evaluate", metavar="PLAN_TOML", help="predict this plan only (same "
                    "columns; --json writes a one-element list)")
     p.add_argument("--max-tp", type=int, default=8, help="largest tp to enumerate "
@@ -114,6 +117,8 @@ def run_search(args, library) -> int:
               f"{device.name} x {args.gpus}")
         if args.explain:
             print(explain(result))
+    if args.explain and predictions:
+        print(breakdown_text(predictions[0]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([p.to_json() for p in predictions], indent=1))
@@ -185,6 +190,27 @@ def explain(result) -> str:
                                             "sequence_parallel", "zero1", "micro_batches",
                                             "schedule", "recompute", "offload") if k in fields}
             lines.append(f"  {rule}: mbs={pruned.mbs} {short}: {pruned.reason}")
+    return "\n".join(lines)
+
+
+NOT_MODELLED = ("FP8 GEMMs (mxgraph trains in bf16 or fp32)", "multi-token-prediction layers",
+                "a dispatcher that sends a token once per node (node-limited routing saves "
+                "no inter-node bytes without it)", "FSDP / ZeRO-3 parameter gathers",
+                "kernel-level contention between overlapped communication and compute",
+                "stragglers and clock throttling at the power limit")
+"""What the search does not price (`--explain` names them)."""
+
+
+def breakdown_text(prediction: Prediction) -> str:
+    """The top plan's step seconds by component (`predict.BREAKDOWN`), with its share."""
+    from mxgraph.search.predict import BREAKDOWN
+    lines = [f"step {prediction.step_s:.4g} s of the top plan, by component (busiest "
+             f"pipeline rank):"]
+    for name, what in BREAKDOWN.items():
+        seconds = prediction.breakdown_s.get(name, 0.0)
+        share = seconds / prediction.step_s if prediction.step_s else 0.0
+        lines.append(f"  {name:<14} {seconds:>10.4g} s {share:>6.1%}  {what}")
+    lines.append("not modelled: " + "; ".join(NOT_MODELLED))
     return "\n".join(lines)
 
 

@@ -9,7 +9,10 @@ field has a default except `name` and `peak_flops`; units: FLOP/s, bytes, bytes/
 plus optional `[[collective]]` tables of measured alpha-beta fits that `--calibrate`
 writes (`kind`, `group_size`, `alpha_s`, `beta_s_per_byte`, `spans_nodes`).
 
-Time model. A kernel of x FLOPs (x bytes for memory-bound kernels) takes
+Time model. A GEMM whose shape the trace gave, on a profile with `sm_count`, takes
+`gemm_shape_time`: whole `gemm_tile`s in waves of `sm_count` SMs at the large-shape rate
+(`gemm_efficiency`, or FP8's), or its bytes at the memory rate when that is longer. Any
+other kernel of x FLOPs (x bytes for memory-bound kernels) takes
 `op_overhead_s + (x + half) / (peak * efficiency)`: the rate grows with size as
 `peak * efficiency * x / (x + half)` (the "efficiency curve"; `half` is the size at which
 half the best efficiency is reached), which is a straight line in x, so a calibration fits
@@ -102,7 +105,20 @@ class DeviceProfile:
     gemm_efficiency: float = 0.75
     """Best achieved share of peak_flops for GEMMs (large shapes)."""
     gemm_half_flops: float = 3e8
-    """FLOPs of a GEMM that reaches half of gemm_efficiency."""
+    """FLOPs of a GEMM that reaches half of gemm_efficiency (a GEMM of unknown shape)."""
+    sm_count: int = 0
+    """Streaming multiprocessors (compute units) of one device; 0: every GEMM is timed by
+    its FLOPs alone (the efficiency curve), else a GEMM of known shape by `gemm_shape_time`."""
+    gemm_tile: list = field(default_factory=lambda: [128, 256])
+    """Output tile (rows, columns) one SM computes at once in the GEMM library's kernels for
+    large shapes; a dimension shorter than it gets the power of two at or above it (>= 64)."""
+    stream_k: bool = False
+    """The GEMM library spreads the k-loop of a last, partial wave of tiles over the idle
+    SMs (cuBLAS's stream-K kernels on Hopper), so a partial wave costs no idle SMs."""
+    fp8_flops: float = 0.0
+    """Dense FP8 peak FLOP/s of one device (0: no FP8 tensor cores)."""
+    fp8_gemm_efficiency: float = 0.0
+    """Best achieved share of fp8_flops for FP8 GEMMs (large shapes)."""
     attention_efficiency: float = 0.55
     """Best achieved share of peak_flops for fused attention (forward and backward)."""
     attention_half_flops: float = 1e9
@@ -132,6 +148,10 @@ class DeviceProfile:
     def __post_init__(self):
         self.collective = [c if isinstance(c, CollectiveFit) else CollectiveFit(**c)
                            for c in self.collective]
+        if len(self.gemm_tile) != 2 or not all(isinstance(t, int) and t > 0
+                                               for t in self.gemm_tile):
+            raise UserError(f"device {self.name}: gemm_tile = {self.gemm_tile!r} must be two "
+                            f"positive integers (rows, columns), e.g. gemm_tile = [128, 256]")
         if self.intra_link not in LINK_KINDS:
             raise UserError(f"device {self.name}: intra_link = {self.intra_link!r} is unknown; "
                             f"choose one of {', '.join(LINK_KINDS)}")
@@ -140,9 +160,43 @@ class DeviceProfile:
                 raise UserError(f"device {self.name}: {name} must be > 0")
 
     # ---- kernels -----------------------------------------------------------------------
-    def gemm_time(self, flops: float) -> float:
-        return self.op_overhead_s + (flops + self.gemm_half_flops) / (
-            self.peak_flops * self.gemm_efficiency)
+    def gemm_time(self, flops: float, fp8: bool = False) -> float:
+        """Seconds of a GEMM of `flops` whose shape is unknown (the efficiency curve)."""
+        return self.op_overhead_s + (flops + self.gemm_half_flops) / self.gemm_rate(fp8)
+
+    def gemm_rate(self, fp8: bool = False) -> float:
+        """FLOP/s of a large GEMM: bf16 (the profile's dtype), or FP8 where the device has it."""
+        if fp8 and self.fp8_flops:
+            return self.fp8_flops * self.fp8_gemm_efficiency
+        return self.peak_flops * self.gemm_efficiency
+
+    def gemm_shape_time(self, shape: tuple, sequences: int = 1, element: int = 2,
+                        fp8: bool = False) -> float:
+        """Seconds of one GEMM of `shape` = (batch, m, n, k, grows) for `sequences` of the
+        traced one (the `grows` dimension times `sequences`; -1: the time times them),
+        `element` bytes per input element (1 under FP8). Tile and wave quantization (NVIDIA's
+        "Matrix Multiplication Background" guide): the SMs compute whole `gemm_tile`s, in
+        waves of `sm_count` (a partial last wave idles SMs unless `stream_k`), at the large-
+        shape efficiency (fewer tiles than SMs: the library splits k over the idle SMs, as
+        cuBLAS's split-K kernels do); a memory-bound GEMM (few rows: a decode-like or small-expert GEMM)
+        takes its bytes (inputs and a bf16 output) at the memory rate instead."""
+        batch, m, n, k, grows = shape
+        dims = [batch, m, n, k]
+        repeat = sequences
+        if grows >= 0:
+            dims[grows] *= sequences
+            repeat = 1
+        batch, m, n, k = dims
+        rows, cols = (min(t, max(64, 1 << (d - 1).bit_length())) for t, d in
+                      zip(self.gemm_tile, (m, n), strict=True))
+        tiles = batch * math.ceil(m / rows) * math.ceil(n / cols)
+        spread = self.stream_k or tiles < self.sm_count  # under one wave: split-K fills the SMs
+        slots = tiles if spread else math.ceil(tiles / self.sm_count) * self.sm_count
+        work = 2.0 * slots * rows * cols * k
+        rate = self.gemm_rate(fp8)
+        moved = batch * (element * (m * k + k * n) + 2 * m * n)
+        return repeat * (self.op_overhead_s + max(work / rate, moved / (
+            self.hbm_bw * self.memory_efficiency)))
 
     def attention_time(self, flops: float) -> float:
         return self.op_overhead_s + (flops + self.attention_half_flops) / (
@@ -236,6 +290,8 @@ class DeviceProfile:
 
 
 def _toml(value) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

@@ -85,6 +85,9 @@ class PartCost:
 
     gemms: list[float] = field(default_factory=list)
     """FLOPs of each GEMM call."""
+    gemm_shapes: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    """Each GEMM's (batch, m, n, k, grows) beside `gemms` (empty when not known): `grows`
+    is the index (0-3) of the dimension that grows with the micro-batch (-1: none found)."""
     attention: list[float] = field(default_factory=list)
     """FLOPs of each attention call."""
     memory: list[float] = field(default_factory=list)
@@ -209,10 +212,18 @@ def split_by_tp(one: LayerCosts, two: LayerCosts, key: TraceKey) -> LayerCosts:
 
     def per_kind(a: dict, b: dict) -> dict:
         return {k: at(a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b)}
+
+    def shapes(a: list, b: list) -> list:  # a dimension tp splits is v(2) x 2 / tp
+        if len(a) != len(b):
+            return []
+        return [tuple(x if x == y or i == 4 else max(1, round(y * 2 / tp))
+                      for i, (x, y) in enumerate(zip(s1, s2, strict=True)))
+                for s1, s2 in zip(a, b, strict=True)]
     parts = {}
     for name in set(one.parts) | set(two.parts):
         p1, p2 = one.part(*name), two.part(*name)
-        parts[name] = PartCost(kernels(p1.gemms, p2.gemms), kernels(p1.attention, p2.attention),
+        parts[name] = PartCost(kernels(p1.gemms, p2.gemms), shapes(p1.gemm_shapes, p2.gemm_shapes),
+                               kernels(p1.attention, p2.attention),
                                kernels(p1.memory, p2.memory), list(p2.comm))
     saved = SavedByKind(per_kind(one.saved.device, two.saved.device),
                         per_kind(one.saved.host, two.saved.host),
@@ -302,7 +313,8 @@ def read_costs(traced: Traced, compilation, key: TraceKey, seq_len: int,
             continue
         custom = node.meta.get("custom") or {}
         kind = layer_kind(small, custom.get("layer"), custom.get("module", ""))
-        add_node(parts.setdefault((kind, where[node.name]), PartCost()), node, ep, fused)
+        add_node(parts.setdefault((kind, where[node.name]), PartCost()), node, ep, fused,
+                 seq_len // key.cp // key.tp)
     for program_kind, program in programs.all():
         phase = "forward" if program_kind == "F" else "backward"
         for entry in graph_entries(program.gm, mesh, phase, lambda upper: upper // ep):
@@ -404,15 +416,21 @@ def fused_attention(gm, seq_len: int, cp: int) -> FusedAttention | None:
     return FusedAttention(frozenset(numels), frozenset(keys), causal) if numels else None
 
 
-def add_node(part: PartCost, node, ep: int, fused: FusedAttention | None = None) -> None:
+def add_node(part: PartCost, node, ep: int, fused: FusedAttention | None = None,
+             tokens: int = 1) -> None:
     """Add one node's cost to `part` by shape class (collectives are counted apart);
-    `fused`: math attention priced as a fused kernel (`fused_attention`)."""
+    `fused`: math attention priced as a fused kernel (`fused_attention`); `tokens`: the
+    fewest tokens of one sequence a GEMM dimension holds on this rank (`gemm_shape`)."""
     name = getattr(node.target, "__name__", "").split(".")[0]
     namespace = getattr(node.target, "namespace", "")
     if namespace == "mxgraph" and name in GROUPED:
         x, other = (a.meta["val"] for a in node.args[:2])
-        flops = 2 * _numel(x.shape) * _int(other.shape[-1])  # rows x in x out
-        part.gemms.append(flops / _share(node, ep))
+        share = _share(node, ep)
+        flops = 2 * _numel(x.shape) * _int(other.shape[-1]) / share  # rows x in x out
+        experts = _int(other.shape[0]) if len(other.shape) == 3 else 1
+        rows = max(1, round(flops / (2 * _int(other.shape[-1]) * _int(x.shape[-1]) * experts)))
+        part.gemms.append(flops)
+        part.gemm_shapes.append((experts, rows, _int(other.shape[-1]), _int(x.shape[-1]), 1))
         return
     cost = node_cost(node)
     if cost.flops == 0 and cost.bytes == 0:
@@ -428,10 +446,28 @@ def add_node(part: PartCost, node, ep: int, fused: FusedAttention | None = None)
         return
     if p in MATMUL_OPS:
         part.gemms.append(cost.flops / share)
+        part.gemm_shapes.append(gemm_shape(node, cost.flops / share, share, tokens))
     elif p in ATTENTION_OPS or name in ATTENTION_BACKWARD:
         part.attention.append(cost.flops / share)
     else:
         part.memory.append(cost.bytes / share)
+
+
+def gemm_shape(node, flops: float, share: int, tokens: int) -> tuple[int, int, int, int, int]:
+    """(batch, m, n, k, grows) of a matmul node from its output shape and FLOPs (k = FLOPs /
+    2 / output elements); `grows`: the first of m, k, batch that holds a multiple of
+    `tokens` (the dimension more sequences per micro-batch make longer), -1 when none does.
+    A dimension equal to the model width by chance picks m for a weight gradient whose k
+    is the tokens: the FLOPs are the same, only the tile count differs."""
+    out = tensor_meta(node.meta.get("val"))[0]
+    dims = [_int(d) for d in out.shape] or [1]
+    n = dims[-1]
+    m = max(1, dims[-2] // share) if len(dims) >= 2 else 1
+    batch = max(1, _numel(out.shape) // max(1, dims[-2] if len(dims) >= 2 else 1) // n)
+    k = max(1, round(flops / (2 * batch * m * n)))
+    shape = (batch, m, n, k)
+    grows = next((i for i in (1, 3, 0) if shape[i] >= tokens and shape[i] % tokens == 0), -1)
+    return (*shape, grows)
 
 
 def _is_collective(node) -> bool:

@@ -4,11 +4,14 @@
     prediction = predict(setting, plan, mbs=1)
 
 Time. Per stage and micro-batch, F, B and W last the sum of their kernels' times under the
-device's roofline (`device.py`: GEMM, attention and memory-bound efficiency curves) plus
-their collectives (tp, cp, ep) timed by the alpha-beta model for the group's span; the
-layers' costs come from the compiled graphs (`layer_cost.py`). Those per-stage costs, with
-the stage-boundary send time, go to `schedules.simulate` for the plan's schedule: the
-pipeline time and bubble are the simulated ones. Then the data-parallel gradient reduction
+device's roofline (`device.py`: GEMMs by shape where the profile has a shape model, else
+GEMM, attention and memory-bound efficiency curves; the layers' GEMMs at the FP8 rate under
+`Setting.fp8`) plus their collectives (tp, cp, ep) timed by the alpha-beta model for the
+group's span; the layers' costs come from the compiled graphs (`layer_cost.py`). Those
+per-stage costs, with the stage-boundary send time, go to `schedules.simulate` for the
+plan's schedule: the pipeline time and bubble are the simulated ones. Under DualPipeV with
+overlap on, an F&B pair hides each part's exposed collectives behind the other part's
+compute (`pair_hidden`). `Prediction.breakdown_s` splits the step by component. Then the data-parallel gradient reduction
 (per bucket; reduce-scatter + all-gather under ZeRO-1; when `overlap.dp_buckets` is on
 the reductions hide behind the last micro-batch's backward except the last bucket, and
 ZeRO-1's all-gathers behind the next step's first forward except the first bucket:
@@ -46,8 +49,14 @@ from mxgraph.memory_plan import stage_layers
 from mxgraph.plan import Plan
 from mxgraph.runtime.precision import STATE_BYTES, holds_returned_grads
 from mxgraph.schedules import Costs
-from mxgraph.search.device import DeviceProfile
-from mxgraph.search.layer_cost import TRACED_EP, PartCost, TraceKey
+from mxgraph.search.layer_cost import TRACED_EP, TraceKey
+from mxgraph.search.part_time import (
+    LAYER_KINDS,
+    comm_time,
+    compute_time,
+    part_time,
+    part_times,
+)
 from mxgraph.search.schedule_time import pipeline, rank_stages, stage_count, unit_pipeline
 from mxgraph.search.setting import Setting
 
@@ -69,74 +78,29 @@ class Prediction:
     """The step's seconds by part: "pipeline" (forward and backward of every micro-batch,
     the schedule's bubble included), "grad_sync" (the exposed data-parallel reduction),
     "optimizer" (gradient clipping and AdamW)."""
+    breakdown_s: dict = field(default_factory=dict)
+    """The step's seconds on the busiest pipeline rank by component (`BREAKDOWN`; they add
+    up to `step_s`); empty for the pre-score."""
 
     def to_json(self) -> dict:
         return {"plan": self.plan.to_dict(), "micro_batch_size": self.mbs,
                 "step_s": self.step_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
                 "mfu": self.mfu, "peak_memory_gib": self.peak_memory_gib,
-                "bubble": self.bubble, "exposed_comm_s": self.exposed_comm_s}
+                "bubble": self.bubble, "exposed_comm_s": self.exposed_comm_s,
+                "breakdown_s": self.breakdown_s}
 
 
-# ---- mesh geometry -------------------------------------------------------------------------
-def axis_groups(plan: Plan, gpus: int) -> dict[str, tuple[int, int]]:
-    """axis -> (group size, stride in ranks); tp fastest, then cp, ep, edp, pp outermost."""
-    dp = plan.dp or gpus // (plan.tp * plan.pp * plan.cp)
-    tp, cp, ep = plan.tp, plan.cp, plan.ep
-    return {"tp": (tp, 1), "cp": (cp, tp), "ep": (ep, tp * cp), "dp": (dp, tp * cp),
-            "edp": (dp // ep, tp * cp * ep), "dp_cp": (dp * cp, tp),
-            "edp_cp": (dp // ep * cp, tp * ep), "pp": (plan.pp, tp * cp * dp)}
-
-
-def comm_time(setting: Setting, plan: Plan, axis: str, kind: str, nbytes: float) -> float:
-    """Seconds of one collective of `nbytes` over the plan's `axis` group: its span (intra-
-    or inter-node) and, across nodes, its ranks per node (ranks `stride` apart: a node of
-    g GPUs holds min(size, g / stride) of them, each with its own NIC)."""
-    size, stride = axis_groups(plan, setting.gpus)[axis]
-    per_node = setting.device.gpus_per_node
-    spans = size * stride > per_node if kind != "send" else stride >= per_node
-    sending = min(setting.gpus, per_node)
-    local = max(1, min(size, per_node // stride)) if kind != "send" else 1
-    return setting.device.collective_time(kind, nbytes, size if kind != "send" else 2, spans,
-                                          sending, local)
-
-
-def hidden_share(plan: Plan, axis: str, kind: str) -> float:
-    """Share of a graph collective's time overlapped with compute (module docstring)."""
-    options = plan.overlap
-    if options is None or not options.reorder:
-        return 0.0
-    if axis == "tp" and kind in ("all_gather", "reduce_scatter"):
-        return 1 - 1 / options.tp_chunks if options.tp_chunks > 1 else 0.5
-    if axis == "ep" and kind == "all_to_all" and plan.moe.a2a_overlap:
-        return 0.5
-    return 0.0
-
-
-def part_time(setting: Setting, plan: Plan, costs, kind: str, program: str,
-              mbs: int) -> tuple[float, float]:
-    """(seconds, of which exposed communication) of one part for `mbs` sequences."""
-    part = costs.part(kind, program)
-    cache_key = (id(costs), kind, program, mbs, plan.tp, plan.cp, plan.ep, plan.pp,
-                 plan.dp, repr(plan.overlap), plan.moe.a2a_overlap)
-    if cache_key in setting.part_times:
-        return setting.part_times[cache_key]
-    compute = compute_time(setting.device, part, mbs)
-    comm = 0.0
-    idle = compute / max(1, len(part.comm))  # the compute before each of the part's collectives
-    for axis, ckind, nbytes in part.comm:
-        seconds = comm_time(setting, plan, axis, ckind, nbytes * mbs)
-        seconds -= setting.device.burst_saving(
-            seconds - comm_time(setting, plan, axis, ckind, 0.0), idle)
-        comm += seconds * (1 - hidden_share(plan, axis, ckind))
-    setting.part_times[cache_key] = (compute + comm, comm)
-    return compute + comm, comm
-
-
-def compute_time(device: DeviceProfile, part: PartCost, mbs: int) -> float:
-    """Seconds of a part's kernels for `mbs` sequences (collectives apart)."""
-    return sum(device.gemm_time(f * mbs) for f in part.gemms) + \
-        sum(device.attention_time(f * mbs) for f in part.attention) + \
-        sum(device.memory_time(b * mbs) for b in part.memory)
+BREAKDOWN = {
+    "gemm": "GEMM kernels (layers, embedding, LM head)",
+    "attention": "attention kernels",
+    "memory": "memory-bound kernels (norms, activations, residuals, casts, loss)",
+    "layer_comm": "exposed tp, cp and ep collectives inside the layers",
+    "pipeline_wait": "pipeline bubble, stage-to-stage sends, offload transfers",
+    "grad_sync": "exposed data-parallel gradient reduction (and ZeRO-1 gathers)",
+    "optimizer": "gradient clipping and AdamW",
+    "step_overhead": "fixed per-step cost outside the kernels",
+}
+"""`Prediction.breakdown_s`'s components and what each holds (`mxgraph search --explain`)."""
 
 
 # ---- stages ---------------------------------------------------------------------------------
@@ -311,11 +275,12 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
     exact = simulate_schedule
     costs = plan_costs(setting, plan, exact)
     stages = stage_parts(setting, plan, stage_count(plan))
-    per_stage, comm_per_stage = {}, {}
+    per_stage, comm_per_stage, pair_hides = {}, {}, {}
     for s, counts in enumerate(stages):
         times, comms = {}, 0.0
+        pair_hides[s] = {}
         for program in ("F", "B", "W"):
-            total = 0.0
+            total = program_comm = 0.0
             for kind, n in counts.items():
                 if n:
                     t, c = part_time(setting, plan, costs, kind, program, mbs)
@@ -324,7 +289,9 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
                         c = c / plan.cp
                     total += n * t
                     comms += n * c
+                    program_comm += n * c
             times[program] = total
+            pair_hides[s][program] = program_comm
         offload = offload_seconds(setting, plan, costs, counts, mbs, exact) \
             if plan.offload else 0.0
         times["F"] += max(0.0, offload - times["F"])  # transfers overlap the compute
@@ -339,7 +306,8 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
     m = plan.micro_batches
     busy = {r: m * sum(sum(per_stage[s].values()) for s in held) for r, held in ranks.items()}
     if exact:
-        pipeline_s, bubble, _ = pipeline(setting, plan, Costs(per_stage=per_stage, comm=send))
+        pipeline_s, bubble, _ = pipeline(setting, plan, Costs(
+            per_stage=per_stage, comm=send, hidden_in_pair=pair_hidden(plan, pair_hides)))
     else:
         _, bubble, _ = unit_pipeline(setting, plan)
         pipeline_s = max(busy.values()) / max(1e-9, 1 - bubble)
@@ -352,6 +320,14 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
     model_flops = 3 * setting.global_batch * plan.tp * plan.cp * sum(
         n * costs.part(kind, "F").flops for counts in stages for kind, n in counts.items())
     totals = [rank_bytes(r) / _GiB for r in memory]
+    breakdown = {}
+    if exact:
+        breakdown = rank_breakdown(setting, plan, costs, stages, ranks, mbs)
+        rest = pipeline_s - sum(breakdown[k] for k in ("gemm", "attention", "memory"))
+        breakdown["layer_comm"] = min(breakdown["layer_comm"], max(0.0, rest))  # F&B hid some
+        breakdown["pipeline_wait"] = max(0.0, rest - breakdown["layer_comm"])
+        breakdown.update(grad_sync=dp_exposed, optimizer=optimizer_s,
+                         step_overhead=device.step_overhead_s)
     return Prediction(plan=plan, mbs=mbs, step_s=step_s,
                       tokens_per_s_per_gpu=tokens / step_s / setting.gpus,
                       mfu=model_flops / (step_s * setting.gpus * device.peak_flops),
@@ -360,7 +336,40 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
                                                                     else 0.0),
                       memory_per_rank_gib=totals,
                       parts_s={"pipeline": pipeline_s, "grad_sync": dp_exposed,
-                               "optimizer": optimizer_s})
+                               "optimizer": optimizer_s},
+                      breakdown_s=breakdown)
+
+
+def pair_hidden(plan: Plan, comm: dict[int, dict[str, float]]) -> dict:
+    """The layer communication an F&B pair hides (`Costs.hidden_in_pair`): under DualPipeV
+    with overlap on, mxgraph's executor interleaves a pair's F and B programs at their
+    collective waits (`codegen.segments.PAUSE`), so each part's exposed tp, cp and ep
+    collectives run while the other part computes (DualPipe's F&B overlap); none
+    otherwise."""
+    if plan.schedule != "dualpipev" or plan.overlap is None or not plan.overlap.reorder:
+        return {}
+    return {s: {"F": c["F"], "B": c["B"], "BW": c["B"] + c["W"]} for s, c in comm.items()}
+
+
+def rank_breakdown(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: dict,
+                   mbs: int) -> dict[str, float]:
+    """Seconds of the busiest pipeline rank's micro-batches by kernel class and exposed
+    layer communication (`BREAKDOWN`'s first four components)."""
+    best: dict[str, float] = {}
+    for held in ranks.values():
+        totals = dict.fromkeys(("gemm", "attention", "memory", "layer_comm"), 0.0)
+        for s in held:
+            for kind, n in stages[s].items():
+                for program in ("F", "B", "W"):
+                    if not n:
+                        continue
+                    times = part_times(setting, plan, costs, kind, program, mbs)
+                    for name, seconds in times.items():
+                        totals["layer_comm" if name == "comm" else name] += \
+                            n * seconds * plan.micro_batches
+        if sum(totals.values()) > sum(best.values()):
+            best = totals
+    return best
 
 
 def offload_seconds(setting: Setting, plan: Plan, costs, counts: dict, mbs: int,
@@ -382,8 +391,9 @@ def recompute_delta(setting: Setting, plan: Plan, kind: str, program: str, mbs: 
             dtype=setting.device.dtype, flash_attention=setting.device.flash_attention),
             setting.seq_len)
         policy = policy_costs(setting, dataclasses.replace(plan, offload=""))
-        delta = compute_time(setting.device, policy.part(kind, program), mbs) - \
-            compute_time(setting.device, base.part(kind, program), mbs)
+        fp8 = setting.fp8 and kind in LAYER_KINDS
+        delta = compute_time(setting.device, policy.part(kind, program), mbs, fp8) - \
+            compute_time(setting.device, base.part(kind, program), mbs, fp8)
         setting.part_times[cache_key] = max(0.0, delta) / plan.tp
     return setting.part_times[cache_key]
 

@@ -18,20 +18,28 @@ from mxgraph.search.device import DeviceProfile
 
 _NCCL = "nccl-tests all_reduce bus bandwidth / link bandwidth, typical of published runs"
 _GEMM = "large bf16 cuBLAS GEMM microbenchmarks (share of dense peak)"
+_MAMF = ("ml-engineering (stas00), compute/accelerator README, Maximum Achievable Matmul FLOPS "
+         "table: the best shape's mean of 100 matmuls after 50 warm-up ones on one GPU, its "
+         "neighbours idle (a burst above the rate sustained at the power limit while every "
+         "GPU of a node trains, which the same book's MSMF notes put lower)")
+_TILES = ("NVIDIA Matrix Multiplication Background User's Guide (tile and wave quantization); "
+          "tile: the cuBLAS kernels profilers name for large bf16 GEMMs")
 
 A100 = DeviceProfile(
     name="a100-80gb", peak_flops=312e12, hbm_bytes=80e9, hbm_bw=2.039e12, gpus_per_node=8,
     intra_link="nvlink", intra_bw=300e9, intra_latency_s=3e-6, inter_bw=25e9,
     inter_latency_s=8e-6, comm_efficiency=0.78, host_bw=25e9, gemm_efficiency=0.80,
     gemm_half_flops=3e8, attention_efficiency=0.60, attention_half_flops=1e9,
-    memory_efficiency=0.85, op_overhead_s=4e-6,
+    memory_efficiency=0.85, op_overhead_s=4e-6, sm_count=108, gemm_tile=[256, 128],
     sources={
         "peak_flops": "NVIDIA A100 datasheet: 312 TFLOPS bf16 dense (624 with sparsity)",
+        "sm_count": "NVIDIA A100 whitepaper: 108 SMs",
+        "gemm_tile": _TILES + " (ampere_bf16_s16816gemm ... 256x128)",
         "hbm": "A100 80GB SXM datasheet: 80 GB HBM2e, 2,039 GB/s",
         "intra_bw": "NVLink 3: 600 GB/s total per GPU = 300 GB/s per direction",
         "inter_bw": "DGX A100: one 200 Gb/s HDR InfiniBand NIC per GPU = 25 GB/s",
         "host_bw": "PCIe 4.0 x16: ~25 GB/s achieved per direction",
-        "gemm_efficiency": _GEMM + ": ~250 of 312 TFLOPS",
+        "gemm_efficiency": _GEMM + ": ~250 of 312 TFLOPS; MAMF 271.2 (86.9%, " + _MAMF + ")",
         "attention_efficiency": "FlashAttention-2 paper: 50-70% of peak forward+backward",
         "memory_efficiency": "STREAM-like device copies: ~1.7 of 2.0 TB/s",
         "comm_efficiency": _NCCL + " (~230 of 300 GB/s on DGX A100)",
@@ -42,14 +50,21 @@ H100 = DeviceProfile(
     intra_link="nvlink", intra_bw=450e9, intra_latency_s=3e-6, inter_bw=50e9,
     inter_latency_s=8e-6, comm_efficiency=0.80, host_bw=50e9, gemm_efficiency=0.70,
     gemm_half_flops=1e9, attention_efficiency=0.50, attention_half_flops=3e9,
-    memory_efficiency=0.85, op_overhead_s=4e-6,
+    memory_efficiency=0.85, op_overhead_s=4e-6, sm_count=132, gemm_tile=[128, 256],
+    fp8_flops=1979e12, fp8_gemm_efficiency=0.62,
     sources={
         "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1,979 with sparsity)",
+        "sm_count": "NVIDIA H100 SXM5: 132 SMs (H100 whitepaper)",
+        "gemm_tile": _TILES + " (sm90_xmma_gemm_bf16 ... tilesize128x256x64)",
+        "fp8_flops": "NVIDIA H100 SXM datasheet: 1,979 TFLOPS FP8 dense (3,958 with sparsity)",
+        "fp8_gemm_efficiency": "FP8 MAMF 1402.6 of 1979 (70.9%, " + _MAMF + "), times the "
+                               "bf16 ratio of sustained to MAMF efficiency (0.70 / 0.803)",
         "hbm": "H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s",
         "intra_bw": "NVLink 4: 900 GB/s total per GPU = 450 GB/s per direction",
         "inter_bw": "DGX H100: one 400 Gb/s NDR InfiniBand NIC per GPU = 50 GB/s",
         "host_bw": "PCIe 5.0 x16: ~50 GB/s per direction",
-        "gemm_efficiency": _GEMM + ": ~650-750 of 989 TFLOPS",
+        "gemm_efficiency": _GEMM + ": ~650-750 of 989 TFLOPS; bf16 MAMF 794.5 (80.3%, " +
+                           _MAMF + ")",
         "attention_efficiency": "FlashAttention-2 ~35-50%, FlashAttention-3 paper up to 75% "
                                 "of peak; 50% taken",
         "memory_efficiency": "STREAM-like device copies: ~2.8 of 3.35 TB/s",
@@ -61,9 +76,14 @@ H800 = DeviceProfile(
     intra_link="nvlink", intra_bw=200e9, intra_latency_s=3e-6, inter_bw=50e9,
     inter_latency_s=8e-6, comm_efficiency=0.80, host_bw=50e9, gemm_efficiency=0.70,
     gemm_half_flops=1e9, attention_efficiency=0.50, attention_half_flops=3e9,
-    memory_efficiency=0.85, op_overhead_s=4e-6,
+    memory_efficiency=0.85, op_overhead_s=4e-6, sm_count=132, gemm_tile=[128, 256],
+    fp8_flops=1979e12, fp8_gemm_efficiency=0.62,
     sources={
         "peak_flops": "H800 SXM: the H100 SXM compute die, 989 TFLOPS bf16 dense",
+        "sm_count": "as h100-sxm (the same die)",
+        "gemm_tile": "as h100-sxm",
+        "fp8_flops": "as h100-sxm: 1,979 TFLOPS FP8 dense",
+        "fp8_gemm_efficiency": "as h100-sxm",
         "hbm": "H800 SXM: 80 GB HBM3, 3.35 TB/s (as H100 SXM)",
         "intra_bw": "H800 NVLink: 400 GB/s total = 200 GB/s per direction (DeepSeek-V3 "
                     "report: ~160 GB/s achieved, i.e. comm_efficiency 0.8)",

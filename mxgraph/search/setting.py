@@ -23,6 +23,11 @@ class Setting:
     """Tokens per sequence."""
     library: object
     """The model library (`models`) to build configs with."""
+    fp8: bool = False
+    """The layers' GEMMs run in FP8 (Transformer Engine's and DeepSeek-V3's recipes: the
+    embedding, LM head, attention and the rest stay bf16), priced at the profile's FP8 rate
+    (`DeviceProfile.fp8_flops`); memory and communication are priced as in bf16. mxgraph's
+    runtime has no FP8 GEMMs: this prices published FP8 runs, it is not a plan field."""
     cache: TraceCache = None
     memory: dict = field(default_factory=dict)
     flights: dict = field(default_factory=dict)

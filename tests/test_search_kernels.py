@@ -1,0 +1,112 @@
+"""Auto Search's kernel costs (issue #31): GEMMs by shape (tile and wave quantization, the
+memory roofline), FP8 GEMMs, the shapes the trace records, the step's breakdown, and an
+F&B pair hiding its collectives; each against a hand-computed reference."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+import models
+from mxgraph.plan import Plan
+from mxgraph.schedules import Costs, simulate
+from mxgraph.schedules.action import BW, OVERLAP_F_B, Action, F
+from mxgraph.schedules.schedule import Schedule
+from mxgraph.search.device import DeviceProfile
+from mxgraph.search.part_time import kernel_times
+from mxgraph.search.predict import plan_costs, predict
+from mxgraph.search.profiles import load_device
+from mxgraph.search.setting import Setting
+
+H100 = load_device("h100-sxm")
+
+
+def test_large_gemm_runs_at_the_large_shape_rate():
+    shape = (1, 8192, 8192, 8192, 1)  # 64 x 32 tiles of 128 x 256: 2048 tiles, 15.5 waves
+    flops = 2 * 8192 ** 3
+    waves = math.ceil(2048 / 132)
+    expected = H100.op_overhead_s + flops * waves * 132 / 2048 / H100.gemm_rate()
+    assert H100.gemm_shape_time(shape) == pytest.approx(expected, rel=1e-9)
+    assert H100.gemm_shape_time(shape) == pytest.approx(flops / H100.gemm_rate(), rel=0.04)
+
+
+def test_a_partial_wave_idles_sms_unless_stream_k():
+    one_wave = (1, 128 * 12, 256 * 11, 4096, -1)  # 132 tiles: one full wave
+    one_more = (1, 128 * 12 + 1, 256 * 11, 4096, -1)  # a 13th row of tiles: a second wave
+    t1, t2 = H100.gemm_shape_time(one_wave), H100.gemm_shape_time(one_more)
+    assert t2 - H100.op_overhead_s == pytest.approx(2 * (t1 - H100.op_overhead_s), rel=1e-9)
+    spread = dataclasses.replace(H100, stream_k=True)
+    ratio = (spread.gemm_shape_time(one_more) - H100.op_overhead_s) / (t1 - H100.op_overhead_s)
+    assert ratio == pytest.approx(143 / 132, rel=1e-9)  # 11 more tiles, no idle SMs
+
+
+def test_few_rows_are_memory_bound():
+    m, n, k = 8, 4096, 4096  # a small expert's GEMM: the weight's bytes dominate
+    moved = 2 * (m * k + k * n) + 2 * m * n
+    expected = H100.op_overhead_s + moved / (H100.hbm_bw * H100.memory_efficiency)
+    assert H100.gemm_shape_time((1, m, n, k, 1)) == pytest.approx(expected, rel=1e-9)
+
+
+def test_more_sequences_lengthen_the_growing_dimension():
+    shape = (1, 4096, 4096, 4096, 1)
+    assert H100.gemm_shape_time(shape, sequences=4) == pytest.approx(
+        H100.gemm_shape_time((1, 4 * 4096, 4096, 4096, 1)), rel=1e-12)
+    fixed = (1, 4096, 4096, 4096, -1)  # no dimension grows: the GEMM runs once per sequence
+    assert H100.gemm_shape_time(fixed, sequences=3) == pytest.approx(
+        3 * H100.gemm_shape_time(fixed), rel=1e-12)
+
+
+def test_fp8_gemms_run_at_the_fp8_rate():
+    shape = (1, 8192, 8192, 8192, 1)
+    bf16, fp8 = H100.gemm_shape_time(shape), H100.gemm_shape_time(shape, element=1, fp8=True)
+    ratio = (bf16 - H100.op_overhead_s) / (fp8 - H100.op_overhead_s)
+    assert ratio == pytest.approx(H100.gemm_rate(fp8=True) / H100.gemm_rate(), rel=1e-9)
+    a100 = load_device("a100-80gb")  # no FP8 tensor cores: the bf16 rate
+    assert a100.gemm_rate(fp8=True) == a100.gemm_rate()
+
+
+def test_bad_gemm_tile_is_a_clear_error():
+    from mxgraph.errors import UserError
+    with pytest.raises(UserError, match="gemm_tile"):
+        DeviceProfile(name="x", peak_flops=1e12, gemm_tile=[128])
+
+
+@pytest.fixture(scope="module")
+def setting():
+    return Setting(models.preset_config("llama-tiny"), H100, 4, 8, 128, models)
+
+
+def test_traced_gemm_shapes_hold_their_flops(setting):
+    plan = Plan(tp=2, dp=2, sequence_parallel=True)
+    costs = plan_costs(setting, plan, exact=True)
+    checked = 0
+    for part in costs.parts.values():
+        assert len(part.gemm_shapes) == len(part.gemms)
+        for flops, (batch, m, n, k, grows) in zip(part.gemms, part.gemm_shapes, strict=True):
+            assert 2 * batch * m * n * k == pytest.approx(flops, rel=0.02)
+            assert grows in (-1, 0, 1, 3)
+            checked += 1
+    assert checked > 10
+    fp8 = kernel_times(H100, costs.part("dense", "F"), 2, fp8=True)
+    bf16 = kernel_times(H100, costs.part("dense", "F"), 2)
+    assert fp8["gemm"] < bf16["gemm"] and fp8["attention"] == bf16["attention"]
+
+
+def test_breakdown_adds_up_to_the_step(setting):
+    for plan in (Plan(tp=2, dp=2, zero1=True), Plan(pp=2, dp=2, micro_batches=4)):
+        p = predict(setting, plan, 1)
+        assert sum(p.breakdown_s.values()) == pytest.approx(p.step_s, rel=1e-9)
+        assert p.breakdown_s["gemm"] > 0 and p.breakdown_s["memory"] > 0
+
+
+def test_fb_pair_hides_collectives_behind_its_other_part():
+    pair = Action(0, OVERLAP_F_B, 1, parts=(Action(0, F, 1), Action(0, BW, 0)))
+    schedule = Schedule(name="pair", num_stages=1, num_microbatches=2, stage_to_rank=(0,),
+                        actions={0: [Action(0, F, 0), pair, Action(0, BW, 1)]})
+    plain = Costs(f=1.0, b=1.5, w=0.5)  # the pair lasts F + BW = 3
+    assert simulate(schedule, plain, check=False).total_time == pytest.approx(1 + 3 + 2)
+    hiding = Costs(f=1.0, b=1.5, w=0.5, hidden_in_pair={0: {F: 0.5, BW: 0.3}})
+    assert simulate(schedule, hiding, check=False).total_time == pytest.approx(1 + 2.2 + 2)
+    most = Costs(f=1.0, b=1.5, w=0.5, hidden_in_pair={0: {F: 5.0, BW: 5.0}})
+    assert simulate(schedule, most, check=False).total_time == pytest.approx(1 + 2 + 2)
