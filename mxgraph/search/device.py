@@ -178,7 +178,7 @@ class DeviceProfile:
         "Matrix Multiplication Background" guide): the SMs compute whole `gemm_tile`s, in
         waves of `sm_count` (a partial last wave idles SMs unless `stream_k`), at the large-
         shape efficiency (fewer tiles than SMs: the library splits k over the idle SMs, as
-        cuBLAS's split-K kernels do); a memory-bound GEMM (few rows: a decode-like or small-expert GEMM)
+        cuBLAS's split-K kernels do); a memory-bound GEMM (few rows: a small expert's)
         takes its bytes (inputs and a bf16 output) at the memory rate instead."""
         batch, m, n, k, grows = shape
         dims = [batch, m, n, k]

@@ -22,7 +22,9 @@ depends on (the chain that carries the gradient down the layers) count as B, the
 W, as a stage boundary would cut them.
 
 Node costs come from `cost.node_cost`, one rule added for the grouped expert GEMMs
-(`mxgraph::grouped_mm`, `grouped_mm_wgrad`: 2 x rows x in x out). MoE models are traced
+(`mxgraph::grouped_mm`, `grouped_mm_wgrad`: 2 x rows x in x out). Each GEMM keeps its shape
+too (`gemm_shape`: batch, m, n, k and which of them more sequences lengthen), which the
+device's shape model times (`DeviceProfile.gemm_shape_time`). MoE models are traced
 with `expert_impl="grouped_mm"` (the same math as a loop over experts, static shapes);
 under ep > 1 the rows a rank receives are data-dependent: nodes whose shapes are, count at
 the balanced share, their upper bound / ep (the traced ep is 2, and the balanced per-rank

@@ -11,7 +11,8 @@ group's span; the layers' costs come from the compiled graphs (`layer_cost.py`).
 per-stage costs, with the stage-boundary send time, go to `schedules.simulate` for the
 plan's schedule: the pipeline time and bubble are the simulated ones. Under DualPipeV with
 overlap on, an F&B pair hides each part's exposed collectives behind the other part's
-compute (`pair_hidden`). `Prediction.breakdown_s` splits the step by component. Then the data-parallel gradient reduction
+compute (`pair_hidden`; the pre-score does not). `Prediction.breakdown_s` splits the step
+by component. Then the data-parallel gradient reduction
 (per bucket; reduce-scatter + all-gather under ZeRO-1; when `overlap.dp_buckets` is on
 the reductions hide behind the last micro-batch's backward except the last bucket, and
 ZeRO-1's all-gathers behind the next step's first forward except the first bucket:
