@@ -110,3 +110,11 @@ def test_fb_pair_hides_collectives_behind_its_other_part():
     assert simulate(schedule, hiding, check=False).total_time == pytest.approx(1 + 2.2 + 2)
     most = Costs(f=1.0, b=1.5, w=0.5, hidden_in_pair={0: {F: 5.0, BW: 5.0}})
     assert simulate(schedule, most, check=False).total_time == pytest.approx(1 + 2 + 2)
+
+
+def test_calibration_recovers_the_tile_rate():
+    from mxgraph.search.calibrate import tile_rate
+    device = DeviceProfile(name="gpu", peak_flops=5e14, gemm_efficiency=1.0, op_overhead_s=5e-6,
+                           hbm_bw=1e30, sm_count=132, gemm_tile=[128, 256])
+    samples = [(n, device.gemm_shape_time((1, n, n, n, -1))) for n in (1024, 2048, 4096, 8192)]
+    assert tile_rate(samples, 5e-6, 132, [128, 256]) == pytest.approx(5e14, rel=1e-9)

@@ -7,7 +7,9 @@ Every rank runs the same microbenchmarks at the same time (so shared cores and l
 shared as in training; the numbers kept are the mean over ranks):
 * GEMM: square fp32 (bf16 on cuda) `mm` of several sizes; t = a + FLOPs / rate is fitted
   by least squares: peak_flops = rate (gemm_efficiency = 1), gemm_half_flops from the
-  intercept beyond the per-op overhead.
+  intercept beyond the per-op overhead. On cuda (sizes 1024-8192) the profile times GEMMs
+  by shape instead: `sm_count` from the device, `gemm_tile` by architecture (128x256 from
+  Hopper on, 256x128 before), and peak_flops the rate of whole tiles (`tile_rate`).
 * attention: causal `scaled_dot_product_attention` forward, FLOPs by cost.py's rule, the
   same fit: attention_efficiency = its rate / peak_flops.
 * memory-bound: `add` of growing tensors, bytes read + written; hbm_bw = the fitted rate.
@@ -124,13 +126,24 @@ def measure(name: str, quick: bool = False):
 
     one = torch.ones(1, device=device)
     overhead = run(lambda: one + one)
-    sizes = (64, 256) if quick else (128, 256, 512, 768)
+    shape_model = {}
+    if device.type == "cuda":  # GEMMs by shape: the SMs and the tile the device computes in
+        props = torch.cuda.get_device_properties(device)
+        shape_model = {"sm_count": props.multi_processor_count,
+                       "gemm_tile": [128, 256] if props.major >= 9 else [256, 128]}
+        sizes = (1024, 4096) if quick else (1024, 2048, 4096, 8192)
+    else:
+        sizes = (64, 256) if quick else (128, 256, 512, 768)
     gemm = []
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
         gemm.append((2.0 * n ** 3, run(lambda a=a: a @ a)))
     gemm_a, gemm_b = fit(gemm)
     peak = 1 / gemm_b
+    if shape_model:
+        peak = tile_rate([(n, t) for n, (_, t) in zip(sizes, gemm, strict=True)], overhead,
+                         **shape_model)
+        gemm_a = overhead
     attention = []
     for seq in ((64, 128) if quick else (128, 256, 512)):
         q = torch.randn(1, 4, seq, 64, device=device, dtype=dtype)
@@ -168,10 +181,24 @@ def measure(name: str, quick: bool = False):
         gemm_efficiency=1.0, gemm_half_flops=gemm_half, attention_efficiency=min(4.0, attn_eff),
         attention_half_flops=attn_half, memory_efficiency=1.0, memory_half_bytes=mem_half,
         op_overhead_s=overhead, adamw_s_per_element=adamw, clip_s_per_element=clip,
-        flash_attention=device.type != "cpu", link_burst_s=burst,
+        flash_attention=device.type != "cpu", link_burst_s=burst, **shape_model,
         sources={"all": f"measured by mxgraph search --calibrate {name} on {world} rank(s), "
                         f"{stamp}{' (quick)' if quick else ''}; see mxgraph/search/calibrate.py"},
         collective=fits)
+
+
+def tile_rate(samples: list[tuple[int, float]], overhead: float, sm_count: int,
+              gemm_tile: list) -> float:
+    """The rate (FLOP/s) at which a device computes whole GEMM tiles, from `samples` of
+    square n x n x n GEMMs and their seconds: each sample's tile-and-wave padded work
+    (`DeviceProfile.gemm_shape_time`'s) over its time less `overhead`; the median, so
+    that the shape model times the measured GEMMs back."""
+    from mxgraph.search.device import DeviceProfile
+    unit = DeviceProfile(name="unit", peak_flops=1.0, gemm_efficiency=1.0, op_overhead_s=0.0,
+                         hbm_bw=1e30, sm_count=sm_count, gemm_tile=list(gemm_tile))
+    rates = [unit.gemm_shape_time((1, n, n, n, -1)) / max(1e-12, seconds - overhead)
+             for n, seconds in samples]
+    return statistics.median(rates)
 
 
 def optimizer_times(run, device, overhead: float, quick: bool) -> tuple[float, float]:
