@@ -11,8 +11,9 @@ layout at a fixed model) whether the predicted order of its rows is the publishe
 
 The rows are a check: no device-profile number may be fitted to them (issue #31). The
 JSON keeps, per row, the prediction's parts too: step time and its breakdown by component
-(`predict.BREAKDOWN`), bubble, exposed communication, peak memory, and MFU (3 x the traced forward FLOPs, attention as traced, recompute not
-counted, / (step time x GPUs x the profile's dense peak)).
+(`predict.BREAKDOWN`), bubble, exposed communication, peak memory, and MFU (3 x the traced
+forward FLOPs, attention as traced, recompute not counted, / (step time x GPUs x the
+profile's dense peak)).
 
     python benchmarks/bench_search_published.py [--run "MPT-7B, 8 H100" --run ...]
         [--file benchmarks/published_runs.toml] [--out bench_results/search_published.json]
@@ -34,6 +35,9 @@ ROW_KEYS = {"what": str, "source": str, "family": str, "model": (str, dict), "de
             "gpus": int, "global_batch": int, "seq_len": int, "precision": str,
             "published_tokens_per_s_per_gpu": (int, float), "layout": dict}
 """The fields of a [[run]] and their types (all required)."""
+OPTIONAL_KEYS = {"mtp_layers": int}
+"""Fields a [[run]] may set: `mtp_layers`, the multi-token-prediction modules the run trains
+(`Setting.mtp_layers`; default 0)."""
 LAYOUT_KEYS = {"tp", "pp", "vpp", "ep", "cp", "sequence_parallel", "zero1", "recompute",
                "schedule", "overlap", "bucket_mb", "mbs", "a2a_overlap"}
 """The fields a [run.layout] may set: Plan fields, `mbs` and `a2a_overlap`."""
@@ -52,7 +56,10 @@ def load_runs(path: Path | str = RUNS_FILE) -> list[dict]:
                 raise ValueError(f"{path}: {name!r} misses {key!r}")
             if not isinstance(run[key], kind) or isinstance(run[key], bool):
                 raise ValueError(f"{path}: {name!r}: {key} = {run[key]!r} has the wrong type")
-        unknown = set(run) - set(ROW_KEYS) or set(run["layout"]) - LAYOUT_KEYS
+        for key, kind in OPTIONAL_KEYS.items():
+            if key in run and (not isinstance(run[key], kind) or isinstance(run[key], bool)):
+                raise ValueError(f"{path}: {name!r}: {key} = {run[key]!r} has the wrong type")
+        unknown = set(run) - set(ROW_KEYS) - set(OPTIONAL_KEYS) or set(run["layout"]) - LAYOUT_KEYS
         if unknown:
             raise ValueError(f"{path}: {name!r}: unknown field(s) {sorted(unknown)}")
         if "mbs" not in run["layout"]:
@@ -116,7 +123,7 @@ def predict_run(run: dict, library) -> dict:
     plan, mbs, dp = plan_of(run)
     setting = Setting(model_config(run, library), load_device(run["device"]), run["gpus"],
                       run["global_batch"], run["seq_len"], library,
-                      fp8=run["precision"] == "fp8")
+                      fp8=run["precision"] == "fp8", mtp_layers=run.get("mtp_layers", 0))
     started = time.perf_counter()
     p = predict(setting, plan, mbs)
     published = run["published_tokens_per_s_per_gpu"]

@@ -118,3 +118,33 @@ def test_calibration_recovers_the_tile_rate():
                            hbm_bw=1e30, sm_count=132, gemm_tile=[128, 256])
     samples = [(n, device.gemm_shape_time((1, n, n, n, -1))) for n in (1024, 2048, 4096, 8192)]
     assert tile_rate(samples, 5e-6, 132, [128, 256]) == pytest.approx(5e14, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule, pp, vpp", [("1f1b", 2, 1), ("interleaved", 2, 2),
+                                               ("dualpipev", 2, 1)])
+def test_stages_hold_the_layers_the_pipeline_split_gives_them(schedule, pp, vpp):
+    """The search's layers per stage are the runtime's (`passes/split_stages`): balanced by
+    forward FLOPs, the embedding on stage 0, the head on the last; under DualPipeV the two
+    share a rank and each pays half of both."""
+    import torch
+
+    from mxgraph.context import CompileContext
+    from mxgraph.driver import compile_step, fake_model, paper_mesh
+    from mxgraph.search.schedule_time import stage_count, stage_parts
+    config = dataclasses.replace(models.preset_config("llama-tiny"), n_layers=9)
+    setting = Setting(config, H100, 2, 8, 128, models)
+    plan = Plan(pp=pp, vpp=vpp, schedule=schedule, micro_batches=4, dp=1)
+    costs = plan_costs(setting, plan, exact=True)
+    searched = [stage["dense"] for stage in stage_parts(setting, plan, stage_count(plan), costs)]
+    model = models.build_from_config(config, device="meta")
+    tokens = torch.zeros(4, 128, dtype=torch.long, device="meta")
+    model, (tokens,) = fake_model(model, (tokens,))
+    mesh = paper_mesh(plan)
+    compilation = compile_step(model, plan, mesh, CompileContext.for_plan(plan, mesh=mesh),
+                               (tokens, tokens), {}, stop_after="split_stages")
+    stage_of = {(n.meta.get("custom") or {}).get("layer"): n.meta["custom"]["stage"]
+                for n in compilation.forward.gm.graph.nodes if n.op == "call_function"}
+    split = [sum(1 for layer, s in stage_of.items() if layer is not None and s == stage)
+             for stage in range(len(compilation.stage_graphs))]
+    assert searched == split
+    assert sum(split) == 9

@@ -3,7 +3,8 @@
 Layers come from `meta["custom"]["layer"]` (the index of the repeated block a node
 belongs to, set at capture from the module stack). Layers are assigned to stages by
 `Plan.layout` when given, else balanced by FLOPs (`schedules.layout.balance_layers`,
-stage 0 also pays the embedding, the last stage the head and loss). A node outside any
+stage 0 also pays the embedding, the last stage the head and loss; under DualPipeV, whose
+first and last stages share a rank, each pays half of both). A node outside any
 layer belongs to the stage of the closest layered node before it (stage 0 if none).
 
 Values crossing a stage boundary are sent, except values that depend on no parameter
@@ -37,10 +38,13 @@ class StageGraph:
 
 
 def layer_stages(gm: GraphModule, num_stages: int, layout: str | None,
-                 empty_layers: tuple[int, int] | None = None) -> dict[int, int]:
+                 empty_layers: tuple[int, int] | None = None,
+                 shared_ends: bool = False) -> dict[int, int]:
     """layer index -> stage. `empty_layers=(pp, vpp)` pads the layer count with
     placeholder slots (`schedules.layout.pad_empty_layers`) so every virtual stage holds
-    the same number of slots; placeholders are metadata only."""
+    the same number of slots; placeholders are metadata only. `shared_ends`: the first and
+    the last stage run on one rank (DualPipeV's V), so the balance charges each of them
+    half of the embedding and head together, and that rank carries as much as another."""
     layer_cost: dict[int, float] = {}
     embed = head = 0.0
     seen_layer = False
@@ -79,15 +83,19 @@ def layer_stages(gm: GraphModule, num_stages: int, layout: str | None,
     if len(layers) < num_stages:
         raise PlanError(f"{num_stages} pipeline stages need at least as many layers; the "
                         f"model has {len(layers)}: lower pp*vpp or add layers")
+    if shared_ends:
+        embed = head = (embed + head) / 2
     groups = balance_layers([layer_cost[i] for i in layers], num_stages, embed, head)
     return {layer: stage for stage, group in enumerate(groups) for layer in group}
 
 
 def assign_stages(gm: GraphModule, num_stages: int, layout: str | None = None,
-                  empty_layers: tuple[int, int] | None = None) -> dict[Node, int]:
+                  empty_layers: tuple[int, int] | None = None,
+                  shared_ends: bool = False) -> dict[Node, int]:
     """The stage of every call_function node (all 0 for one stage: a model without
-    repeated layers is one stage)."""
-    by_layer = layer_stages(gm, num_stages, layout, empty_layers) if num_stages > 1 else {}
+    repeated layers is one stage); `shared_ends` as `layer_stages`."""
+    by_layer = layer_stages(gm, num_stages, layout, empty_layers, shared_ends) \
+        if num_stages > 1 else {}
     stage_of, current = {}, 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -114,10 +122,11 @@ def _recomputable(gm: GraphModule) -> set[Node]:
 
 
 def split_stages(forward: ForwardGraph, num_stages: int, layout: str | None = None,
-                 empty_layers: tuple[int, int] | None = None) -> list[StageGraph]:
+                 empty_layers: tuple[int, int] | None = None,
+                 shared_ends: bool = False) -> list[StageGraph]:
     gm = forward.gm
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    stage_of = assign_stages(gm, num_stages, layout, empty_layers)
+    stage_of = assign_stages(gm, num_stages, layout, empty_layers, shared_ends)
     cheap = _recomputable(gm)
     output = gm.graph.find_nodes(op="output")[0]
     loss = output.args[0][0]

@@ -101,7 +101,8 @@ def split_stages_step(c: Compilation, ctx: CompileContext):
     """Cut the forward graph into the schedule's stages (one stage without pipelining)."""
     plan, stages = ctx.plan, c.schedule.num_stages
     padding = (plan.pp, stages // plan.pp) if plan.empty_layers else None
-    c.stage_graphs = split_stages(c.forward, stages, plan.layout, padding)
+    c.stage_graphs = split_stages(c.forward, stages, plan.layout, padding,
+                                  shared_ends=plan.schedule == "dualpipev")
     return [(f"stage{s}", c.stage_graphs[s].forward.gm) for s in c.my_stages()]
 
 

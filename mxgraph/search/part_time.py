@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mxgraph.plan import Plan
 from mxgraph.search.device import DeviceProfile
-from mxgraph.search.layer_cost import PartCost
+from mxgraph.search.part_cost import PartCost
 from mxgraph.search.setting import Setting
 
 

@@ -46,7 +46,6 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from mxgraph.memory_plan import stage_layers
 from mxgraph.plan import Plan
 from mxgraph.runtime.precision import STATE_BYTES, holds_returned_grads
 from mxgraph.schedules import Costs
@@ -58,7 +57,13 @@ from mxgraph.search.part_time import (
     part_time,
     part_times,
 )
-from mxgraph.search.schedule_time import pipeline, rank_stages, stage_count, unit_pipeline
+from mxgraph.search.schedule_time import (
+    pipeline,
+    rank_stages,
+    stage_count,
+    stage_parts,
+    unit_pipeline,
+)
 from mxgraph.search.setting import Setting
 
 _GiB = 2 ** 30
@@ -111,26 +116,6 @@ def trace_key(setting: Setting, plan: Plan) -> TraceKey:
     return TraceKey(tp=plan.tp, sequence_parallel=plan.sequence_parallel, cp=plan.cp,
                     expert_parallel=plan.ep > 1, recompute=plan.recompute, offload=plan.offload,
                     dtype=setting.device.dtype, flash_attention=setting.device.flash_attention)
-
-
-def kind_counts(config, layers: range) -> dict[str, int]:
-    n_dense = getattr(config, "n_dense_layers", None)
-    if n_dense is None:
-        return {"dense": len(layers), "moe": 0}
-    dense = sum(1 for i in layers if i < n_dense)
-    return {"dense": dense, "moe": len(layers) - dense}
-
-
-def stage_parts(setting: Setting, plan: Plan, num_stages: int) -> list[dict[str, int]]:
-    """Per stage: how many layers of each kind (and the embedding, head) it holds."""
-    config = setting.config
-    stages = []
-    for s, layers in enumerate(stage_layers(config.n_layers, num_stages)):
-        counts = kind_counts(config, layers)
-        counts["embed"] = int(s == 0)
-        counts["head"] = int(s == num_stages - 1)
-        stages.append(counts)
-    return stages
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -259,7 +244,7 @@ def plan_costs(setting: Setting, plan: Plan, exact: bool):
 def peak_memory_gib(setting: Setting, plan: Plan, mbs: int, exact: bool = False) -> float:
     """The worst pipeline rank's predicted memory (what `predict` reports), alone."""
     costs = plan_costs(setting, plan, exact)
-    stages = stage_parts(setting, plan, stage_count(plan))
+    stages = stage_parts(setting, plan, stage_count(plan), costs)
     ranks = rank_stages(setting, plan)
     return max(rank_bytes(r) for r in rank_memory(setting, plan, costs, stages, ranks, mbs,
                                                   exact)) / _GiB
@@ -275,7 +260,7 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
     device, config = setting.device, setting.config
     exact = simulate_schedule
     costs = plan_costs(setting, plan, exact)
-    stages = stage_parts(setting, plan, stage_count(plan))
+    stages = stage_parts(setting, plan, stage_count(plan), costs)
     per_stage, comm_per_stage, pair_hides = {}, {}, {}
     for s, counts in enumerate(stages):
         times, comms = {}, 0.0

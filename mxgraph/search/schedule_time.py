@@ -1,5 +1,6 @@
 """The pipeline schedule of a plan in the search: built once per shape and kept, simulated
-under per-stage costs (extrapolated beyond 3 pp micro-batches), the stages of each rank.
+under per-stage costs (extrapolated beyond 3 pp micro-batches), the stages of each rank,
+and the layers of each stage as the pipeline split assigns them (`stage_parts`).
 
 `setting` below is a `setting.Setting` (its `schedules` and `flights` caches)."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ import dataclasses
 from mxgraph.plan import Plan
 from mxgraph.schedules import Costs, build_schedule, simulate
 from mxgraph.schedules.build import SCHEDULES
+from mxgraph.schedules.layout import balance_layers, pad_empty_layers, parse_layout
 from mxgraph.search.setting import Setting
 
 
@@ -75,3 +77,52 @@ def rank_stages(setting: Setting, plan: Plan) -> dict[int, list[int]]:
         schedule = schedule_of(small, setting.schedules)
         setting.flights[key] = {r: list(schedule.stages_of(r)) for r in range(plan.pp)}
     return setting.flights[key]
+
+
+def kind_counts(config, layers: range) -> dict[str, int]:
+    n_dense = getattr(config, "n_dense_layers", None)
+    if n_dense is None:
+        return {"dense": len(layers), "moe": 0}
+    dense = sum(1 for i in layers if i < n_dense)
+    return {"dense": dense, "moe": len(layers) - dense}
+
+
+def stage_parts(setting: Setting, plan: Plan, num_stages: int, costs) -> list[dict[str, int]]:
+    """Per stage: how many layers of each kind (and the embedding, head) it holds, as the
+    pipeline split assigns them (`passes/split_stages.layer_stages`): `Plan.layout`, else
+    padded with empty layers (`Plan.empty_layers`), else balanced by forward FLOPs (each
+    layer's kind's, from `costs`; stage 0 also pays the embedding, the last stage the head
+    and any `Setting.mtp_layers`; under DualPipeV each pays half of both)."""
+    config = setting.config
+    kinds = [next(k for k, n in kind_counts(config, range(i, i + 1)).items() if n)
+             for i in range(config.n_layers)]
+    flops = {kind: costs.part(kind, "F").flops for kind in ("dense", "moe", "embed", "head")}
+    mtp = setting.mtp_layers
+    if plan.layout:
+        counts = [sum(1 for item in stage if item == "t") for stage in parse_layout(plan.layout)]
+        groups, start = [], 0
+        for count in counts:
+            groups.append(list(range(start, start + count)))
+            start += count
+    elif plan.empty_layers and num_stages > 1:
+        groups = [[i for i in slots if i is not None] for slots in
+                  pad_empty_layers(config.n_layers, plan.pp, num_stages // plan.pp)]
+    elif num_stages > 1:
+        embed, head = flops["embed"], (1 + mtp) * flops["head"] + mtp * flops[kinds[-1]]
+        if plan.schedule == "dualpipev":  # the first and last stages share a rank
+            embed = head = (embed + head) / 2
+        groups = balance_layers([flops[k] for k in kinds], num_stages, embed, head)
+    else:
+        groups = [list(range(config.n_layers))]
+    stages = []
+    for s, group in enumerate(groups):
+        counts = {"dense": 0, "moe": 0}
+        for i in group:
+            counts[kinds[i]] += 1
+        counts["embed"] = int(s == 0)
+        counts["head"] = int(s == len(groups) - 1)
+        stages.append(counts)
+    if mtp:  # each MTP module: a block like the last layer, and the LM head
+        stages[-1][kinds[-1]] += mtp
+        stages[-1]["head"] += mtp
+    return stages

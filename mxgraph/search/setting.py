@@ -28,6 +28,11 @@ class Setting:
     embedding, LM head, attention and the rest stay bf16), priced at the profile's FP8 rate
     (`DeviceProfile.fp8_flops`); memory and communication are priced as in bf16. mxgraph's
     runtime has no FP8 GEMMs: this prices published FP8 runs, it is not a plan field."""
+    mtp_layers: int = 0
+    """Multi-token-prediction modules (DeepSeek-V3: 1) on the last pipeline stage, each
+    priced as one more block of the last layer's kind and one more LM head and loss (its
+    2d x d input projection and the shared embedding's lookup are left out). The models
+    library has no MTP: this prices published runs that train with it."""
     cache: TraceCache = None
     memory: dict = field(default_factory=dict)
     flights: dict = field(default_factory=dict)
