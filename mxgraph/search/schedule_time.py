@@ -94,10 +94,18 @@ def stage_parts(setting: Setting, plan: Plan, num_stages: int, costs) -> list[di
     layer's kind's, from `costs`; stage 0 also pays the embedding, the last stage the head
     and any `Setting.mtp_layers`; under DualPipeV each pays half of both)."""
     config = setting.config
-    kinds = [next(k for k, n in kind_counts(config, range(i, i + 1)).items() if n)
-             for i in range(config.n_layers)]
     flops = {kind: costs.part(kind, "F").flops for kind in ("dense", "moe", "embed", "head")}
     mtp = setting.mtp_layers
+    key = ("stage_parts", num_stages, plan.layout, plan.empty_layers, plan.pp,
+           plan.schedule == "dualpipev", tuple(flops.values()))
+    if key not in setting.flights:  # the balance is O(stages x layers^2): once per shape
+        setting.flights[key] = _stage_parts(config, plan, num_stages, flops, mtp)
+    return [dict(stage) for stage in setting.flights[key]]
+
+
+def _stage_parts(config, plan: Plan, num_stages: int, flops: dict, mtp: int) -> list[dict]:
+    kinds = [next(k for k, n in kind_counts(config, range(i, i + 1)).items() if n)
+             for i in range(config.n_layers)]
     if plan.layout:
         counts = [sum(1 for item in stage if item == "t") for stage in parse_layout(plan.layout)]
         groups, start = [], 0
