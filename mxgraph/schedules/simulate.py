@@ -100,7 +100,6 @@ class Costs:
             return over.get(B, self.b) + over.get(W, self.w)
         return over.get(kind, base[kind])
 
-
     def _pair(self, parts) -> float:
         """An F&B pair's parts run together: each hides up to `hidden_in_pair` of its time
         behind the other part."""
