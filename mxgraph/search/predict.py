@@ -11,8 +11,8 @@ group's span; the layers' costs come from the compiled graphs (`layer_cost.py`).
 per-stage costs, with the stage-boundary send time, go to `schedules.simulate` for the
 plan's schedule: the pipeline time and bubble are the simulated ones. Under DualPipeV with
 overlap on, an F&B pair hides each part's exposed collectives behind the other part's
-compute (`pair_hidden`; the pre-score does not). `Prediction.breakdown_s` splits the step
-by component. Then the data-parallel gradient reduction
+compute (`pair_hidden`; the pre-score takes the same off each rank's busy time).
+`Prediction.breakdown_s` splits the step by component. Then the data-parallel gradient reduction
 (per bucket; reduce-scatter + all-gather under ZeRO-1; when `overlap.dp_buckets` is on
 the reductions hide behind the last micro-batch's backward except the last bucket, and
 ZeRO-1's all-gathers behind the next step's first forward except the first bucket:
@@ -296,6 +296,10 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
             per_stage=per_stage, comm=send, hidden_in_pair=pair_hidden(plan, pair_hides)))
     else:
         _, bubble, _ = unit_pipeline(setting, plan)
+        hides = pair_hidden(plan, pair_hides)
+        for r, held in ranks.items():  # an F&B pair hides each part's collectives
+            busy[r] -= m * sum(min(hides[s]["F"], per_stage[s]["B"] + per_stage[s]["W"]) +
+                               min(hides[s]["BW"], per_stage[s]["F"]) for s in held if s in hides)
         pipeline_s = max(busy.values()) / max(1e-9, 1 - bubble)
     memory = rank_memory(setting, plan, costs, stages, ranks, mbs, exact)
     _dp_s, dp_exposed = dp_reduction(setting, plan, memory, per_stage, ranks)
