@@ -7,6 +7,8 @@ import dataclasses
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import models
 from mxgraph.plan import Plan
@@ -39,6 +41,37 @@ def test_a_partial_wave_idles_sms_unless_stream_k():
     spread = dataclasses.replace(H100, stream_k=True)
     ratio = (spread.gemm_shape_time(one_more) - H100.op_overhead_s) / (t1 - H100.op_overhead_s)
     assert ratio == pytest.approx(143 / 132, rel=1e-9)  # 11 more tiles, no idle SMs
+
+
+DIMS = st.integers(1, 20000)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(batch=st.integers(1, 16), m=DIMS, n=DIMS, k=DIMS, grows=st.sampled_from([-1, 0, 1, 3]),
+       sequences=st.integers(1, 8), device=st.sampled_from(["h100-sxm", "a100-80gb"]))
+def test_a_gemm_is_never_faster_than_its_roofline(batch, m, n, k, grows, sequences, device):
+    """Over shapes: no GEMM beats its FLOPs at the large-shape rate nor its bytes at the
+    memory rate, padding wastes at most a wave and a tile in each dimension, and more
+    sequences never take less time."""
+    profile = load_device(device)
+    shape = (batch, m, n, k, grows)
+    seconds = profile.gemm_shape_time(shape, sequences)
+    dims = [batch, m, n, k]
+    if grows >= 0:
+        dims[grows] *= sequences
+    b, mm, nn, kk = dims
+    repeat = 1 if grows >= 0 else sequences
+    flops = 2.0 * b * mm * nn * kk * repeat
+    moved = b * (2 * (mm * kk + kk * nn) + 2 * mm * nn) * repeat
+    overhead = profile.op_overhead_s * repeat
+    assert seconds >= overhead + flops / profile.gemm_rate() * (1 - 1e-9)
+    assert seconds >= overhead + moved / (profile.hbm_bw * profile.memory_efficiency) * (1 - 1e-9)
+    rows, cols = profile.gemm_tile
+    padded = 2.0 * (b * math.ceil(mm / rows) * math.ceil(nn / cols) + profile.sm_count) * \
+        rows * cols * kk * repeat
+    assert seconds <= overhead + max(padded / profile.gemm_rate(), moved / (
+        profile.hbm_bw * profile.memory_efficiency)) * (1 + 1e-9)
+    assert profile.gemm_shape_time(shape, sequences + 1) >= seconds * (1 - 1e-9)
 
 
 def test_few_rows_are_memory_bound():
