@@ -22,7 +22,7 @@ from mxgraph.capture import ForwardGraph, Slot
 from mxgraph.cost import node_cost
 from mxgraph.errors import PlanError
 from mxgraph.ir import is_random
-from mxgraph.schedules.layout import balance_layers, pad_empty_layers, parse_layout
+from mxgraph.schedules.layout import stage_groups
 
 
 @dataclass
@@ -40,11 +40,9 @@ class StageGraph:
 def layer_stages(gm: GraphModule, num_stages: int, layout: str | None,
                  empty_layers: tuple[int, int] | None = None,
                  shared_ends: bool = False) -> dict[int, int]:
-    """layer index -> stage. `empty_layers=(pp, vpp)` pads the layer count with
-    placeholder slots (`schedules.layout.pad_empty_layers`) so every virtual stage holds
-    the same number of slots; placeholders are metadata only. `shared_ends`: the first and
-    the last stage run on one rank (DualPipeV's V), so the balance charges each of them
-    half of the embedding and head together, and that rank carries as much as another."""
+    """layer index -> stage, by `schedules.layout.stage_groups` on each layer's forward
+    FLOPs (the embedding's and the head's beside them). `empty_layers=(pp, vpp)` pads the
+    layer count with placeholder slots, metadata only; `shared_ends`: DualPipeV's V."""
     layer_cost: dict[int, float] = {}
     embed = head = 0.0
     seen_layer = False
@@ -63,29 +61,8 @@ def layer_stages(gm: GraphModule, num_stages: int, layout: str | None,
     if layers != list(range(len(layers))):
         raise PlanError("pipeline split found no repeated blocks (a ModuleList or Sequential "
                         "of layers) in the model; pp needs layers to cut between")
-    if layout:
-        stages = parse_layout(layout)
-        counts = [sum(1 for item in stage if item == "t") for stage in stages]
-        if len(stages) != num_stages or sum(counts) != len(layers):
-            raise PlanError(f"layout {layout!r} has {len(stages)} stages and {sum(counts)} "
-                            f"layers; the plan needs {num_stages} stages and the model has "
-                            f"{len(layers)} layers")
-        result, layer = {}, 0
-        for stage, count in enumerate(counts):
-            for _ in range(count):
-                result[layer] = stage
-                layer += 1
-        return result
-    if empty_layers is not None:
-        slots = pad_empty_layers(len(layers), *empty_layers)
-        return {layer: stage for stage, group in enumerate(slots) for layer in group
-                if layer is not None}
-    if len(layers) < num_stages:
-        raise PlanError(f"{num_stages} pipeline stages need at least as many layers; the "
-                        f"model has {len(layers)}: lower pp*vpp or add layers")
-    if shared_ends:
-        embed = head = (embed + head) / 2
-    groups = balance_layers([layer_cost[i] for i in layers], num_stages, embed, head)
+    groups = stage_groups([layer_cost[i] for i in layers], num_stages, layout, empty_layers,
+                          embed, head, shared_ends)
     return {layer: stage for stage, group in enumerate(groups) for layer in group}
 
 

@@ -162,3 +162,34 @@ def stage_costs(stages: list[list[int | None]], layer_costs: list[float], embed_
     out[0] += embed_cost
     out[-1] += head_cost
     return out
+
+
+def stage_groups(layer_costs: list[float], num_stages: int, layout: str | None = None,
+                 empty_layers: tuple[int, int] | None = None, embed_cost: float = 0.0,
+                 head_cost: float = 0.0, shared_ends: bool = False) -> list[list[int]]:
+    """The layers of each stage, as the pipeline split assigns them: `layout` when given
+    (its "t" count per stage), else `empty_layers=(pp, vpp)` padding (`pad_empty_layers`),
+    else `balance_layers` by the layers' costs, stage 0 paying `embed_cost` and the last
+    `head_cost`. `shared_ends`: the first and last stage run on one rank (DualPipeV's V),
+    so each pays half of the embedding and head together and that rank carries as much as
+    another. PlanError when the layout or the layer count does not fit the stages."""
+    n = len(layer_costs)
+    if layout:
+        stages = parse_layout(layout)
+        counts = [sum(1 for item in stage if item == "t") for stage in stages]
+        if len(stages) != num_stages or sum(counts) != n:
+            raise PlanError(f"layout {layout!r} has {len(stages)} stages and {sum(counts)} "
+                            f"layers; the plan needs {num_stages} stages and the model has "
+                            f"{n} layers")
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        return [list(range(start, start + count)) for start, count in zip(starts, counts,
+                                                                          strict=True)]
+    if empty_layers is not None:
+        return [[layer for layer in slots if layer is not None]
+                for slots in pad_empty_layers(n, *empty_layers)]
+    if n < num_stages:
+        raise PlanError(f"{num_stages} pipeline stages need at least as many layers; the "
+                        f"model has {n}: lower pp*vpp or add layers")
+    if shared_ends:
+        embed_cost = head_cost = (embed_cost + head_cost) / 2
+    return balance_layers(layer_costs, num_stages, embed_cost, head_cost)

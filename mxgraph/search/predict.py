@@ -261,10 +261,10 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
     exact = simulate_schedule
     costs = plan_costs(setting, plan, exact)
     stages = stage_parts(setting, plan, stage_count(plan), costs)
-    per_stage, comm_per_stage, pair_hides = {}, {}, {}
+    per_stage, comm_by_program = {}, {}
     for s, counts in enumerate(stages):
-        times, comms = {}, 0.0
-        pair_hides[s] = {}
+        times = {}
+        comm_by_program[s] = {}
         for program in ("F", "B", "W"):
             total = program_comm = 0.0
             for kind, n in counts.items():
@@ -274,16 +274,14 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
                         t = (t + recompute_delta(setting, plan, kind, program, mbs)) / plan.cp
                         c = c / plan.cp
                     total += n * t
-                    comms += n * c
                     program_comm += n * c
             times[program] = total
-            pair_hides[s][program] = program_comm
+            comm_by_program[s][program] = program_comm
         offload = offload_seconds(setting, plan, costs, counts, mbs, exact) \
             if plan.offload else 0.0
         times["F"] += max(0.0, offload - times["F"])  # transfers overlap the compute
         times["B"] += max(0.0, offload - times["B"])
         per_stage[s] = times
-        comm_per_stage[s] = comms
     ranks = rank_stages(setting, plan)
     boundary = mbs * costs.tokens * config.dim * (4 if device.dtype == "float32" else 2)
     if plan.sequence_parallel:
@@ -293,10 +291,10 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
     busy = {r: m * sum(sum(per_stage[s].values()) for s in held) for r, held in ranks.items()}
     if exact:
         pipeline_s, bubble, _ = pipeline(setting, plan, Costs(
-            per_stage=per_stage, comm=send, hidden_in_pair=pair_hidden(plan, pair_hides)))
+            per_stage=per_stage, comm=send, hidden_in_pair=pair_hidden(plan, comm_by_program)))
     else:
         _, bubble, _ = unit_pipeline(setting, plan)
-        hides = pair_hidden(plan, pair_hides)
+        hides = pair_hidden(plan, comm_by_program)
         for r, held in ranks.items():  # an F&B pair hides each part's collectives
             busy[r] -= m * sum(min(hides[s]["F"], per_stage[s]["B"] + per_stage[s]["W"]) +
                                min(hides[s]["BW"], per_stage[s]["F"]) for s in held if s in hides)
@@ -305,7 +303,8 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
     _dp_s, dp_exposed = dp_reduction(setting, plan, memory, per_stage, ranks)
     optimizer_s = optimizer_time(setting, plan, memory, costs, stages, ranks)
     step_s = pipeline_s + dp_exposed + optimizer_s + device.step_overhead_s
-    comm_in_graph = max(m * sum(comm_per_stage[s] for s in held) for held in ranks.values())
+    comm_in_graph = max(m * sum(sum(comm_by_program[s].values()) for s in held)
+                        for held in ranks.values())
     tokens = setting.global_batch * setting.seq_len
     model_flops = 3 * setting.global_batch * plan.tp * plan.cp * sum(
         n * costs.part(kind, "F").flops for counts in stages for kind, n in counts.items())

@@ -10,7 +10,7 @@ import dataclasses
 from mxgraph.plan import Plan
 from mxgraph.schedules import Costs, build_schedule, simulate
 from mxgraph.schedules.build import SCHEDULES
-from mxgraph.schedules.layout import balance_layers, pad_empty_layers, parse_layout
+from mxgraph.schedules.layout import stage_groups
 from mxgraph.search.setting import Setting
 
 
@@ -89,10 +89,9 @@ def kind_counts(config, layers: range) -> dict[str, int]:
 
 def stage_parts(setting: Setting, plan: Plan, num_stages: int, costs) -> list[dict[str, int]]:
     """Per stage: how many layers of each kind (and the embedding, head) it holds, as the
-    pipeline split assigns them (`passes/split_stages.layer_stages`): `Plan.layout`, else
-    padded with empty layers (`Plan.empty_layers`), else balanced by forward FLOPs (each
-    layer's kind's, from `costs`; stage 0 also pays the embedding, the last stage the head
-    and any `Setting.mtp_layers`; under DualPipeV each pays half of both)."""
+    pipeline split assigns them (`schedules.layout.stage_groups`, the split's own rule), by
+    each layer kind's forward FLOPs from `costs`; the last stage also pays any
+    `Setting.mtp_layers`."""
     config = setting.config
     flops = {kind: costs.part(kind, "F").flops for kind in ("dense", "moe", "embed", "head")}
     mtp = setting.mtp_layers
@@ -106,20 +105,11 @@ def stage_parts(setting: Setting, plan: Plan, num_stages: int, costs) -> list[di
 def _stage_parts(config, plan: Plan, num_stages: int, flops: dict, mtp: int) -> list[dict]:
     kinds = [next(k for k, n in kind_counts(config, range(i, i + 1)).items() if n)
              for i in range(config.n_layers)]
-    if plan.layout:
-        counts = [sum(1 for item in stage if item == "t") for stage in parse_layout(plan.layout)]
-        groups, start = [], 0
-        for count in counts:
-            groups.append(list(range(start, start + count)))
-            start += count
-    elif plan.empty_layers and num_stages > 1:
-        groups = [[i for i in slots if i is not None] for slots in
-                  pad_empty_layers(config.n_layers, plan.pp, num_stages // plan.pp)]
-    elif num_stages > 1:
-        embed, head = flops["embed"], (1 + mtp) * flops["head"] + mtp * flops[kinds[-1]]
-        if plan.schedule == "dualpipev":  # the first and last stages share a rank
-            embed = head = (embed + head) / 2
-        groups = balance_layers([flops[k] for k in kinds], num_stages, embed, head)
+    if num_stages > 1:
+        head = (1 + mtp) * flops["head"] + mtp * flops[kinds[-1]]
+        groups = stage_groups([flops[k] for k in kinds], num_stages, plan.layout,
+                              (plan.pp, num_stages // plan.pp) if plan.empty_layers else None,
+                              flops["embed"], head, shared_ends=plan.schedule == "dualpipev")
     else:
         groups = [list(range(config.n_layers))]
     stages = []
