@@ -51,13 +51,12 @@ def load_runs(path: Path | str = RUNS_FILE) -> list[dict]:
     runs = tomllib.loads(Path(path).read_text())["run"]
     for i, run in enumerate(runs):
         name = run.get("what", f"run {i}")
-        for key, kind in ROW_KEYS.items():
+        for key, kind in {**ROW_KEYS, **OPTIONAL_KEYS}.items():
             if key not in run:
-                raise ValueError(f"{path}: {name!r} misses {key!r}")
+                if key in ROW_KEYS:
+                    raise ValueError(f"{path}: {name!r} misses {key!r}")
+                continue
             if not isinstance(run[key], kind) or isinstance(run[key], bool):
-                raise ValueError(f"{path}: {name!r}: {key} = {run[key]!r} has the wrong type")
-        for key, kind in OPTIONAL_KEYS.items():
-            if key in run and (not isinstance(run[key], kind) or isinstance(run[key], bool)):
                 raise ValueError(f"{path}: {name!r}: {key} = {run[key]!r} has the wrong type")
         unknown = set(run) - set(ROW_KEYS) - set(OPTIONAL_KEYS) or set(run["layout"]) - LAYOUT_KEYS
         if unknown:

@@ -17,7 +17,7 @@ from mxgraph.errors import UserError
 from mxgraph.plan import Plan
 from mxgraph.search.enumerate import SCHEDULES, Space, search
 from mxgraph.search.model_spec import resolve_model
-from mxgraph.search.predict import Prediction, predict
+from mxgraph.search.predict import BREAKDOWN, Prediction, predict
 from mxgraph.search.profiles import load_device
 from mxgraph.search.setting import Setting
 
@@ -203,7 +203,6 @@ NOT_MODELLED = ("FP8 GEMMs (mxgraph trains in bf16 or fp32)", "multi-token-predi
 
 def breakdown_text(prediction: Prediction) -> str:
     """The top plan's step seconds by component (`predict.BREAKDOWN`), with its share."""
-    from mxgraph.search.predict import BREAKDOWN
     lines = [f"step {prediction.step_s:.4g} s of the top plan, by component (busiest "
              f"pipeline rank):"]
     for name, what in BREAKDOWN.items():
