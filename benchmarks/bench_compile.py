@@ -67,8 +67,10 @@ def _status_kib(field: str) -> int:
 
 
 def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: int,
-            device: str = "cpu", dtype: str = "float32") -> dict:
-    """Run in this process: build, compile, time; returns one result row."""
+            device: str = "cpu", dtype: str = "float32", layers: int | None = None) -> dict:
+    """Run in this process: build, compile, time; returns one result row. ``layers``
+    replaces the model's number of transformer layers (the same layer shapes, fewer of
+    them: compile time grows with the layers, the runners' ratios hardly)."""
     import torch
 
     import models
@@ -78,9 +80,13 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
     torch.manual_seed(0)
     if model_name in HF_MODELS:
         from mxgraph.hf import build_hf_model
-        model = build_hf_model(*HF_MODELS[model_name], dtype=getattr(torch, dtype)).to(device)
+        spec, config = HF_MODELS[model_name]
+        config = config if layers is None else {**config, "num_hidden_layers": layers}
+        model = build_hf_model(spec, config, dtype=getattr(torch, dtype)).to(device)
     else:
-        model = models.build_model(model_name, device=device, dtype=getattr(torch, dtype))
+        overrides = {} if layers is None else {"n_layers": layers}
+        model = models.build_model(model_name, device=device, dtype=getattr(torch, dtype),
+                                   **overrides)
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (batch_size, seq_len), generator=g).to(device)
@@ -95,8 +101,13 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
         def step():
             model(x, y).backward()
     elif runner in ("inductor", "mxmaca", "mxmaca-inductor"):
-        options = {"mxmaca": {"backend": "mxmaca"}, "inductor": {},
-                   "mxmaca-inductor": {"backend": "mxmaca", "options": {
+        from torch._dynamo import list_backends
+
+        from mxgraph.backend import mxmaca_backend
+        # by name where mxgraph is installed (its entry point), else the function itself
+        mxmaca = "mxmaca" if "mxmaca" in list_backends(exclude_tags=()) else mxmaca_backend
+        options = {"mxmaca": {"backend": mxmaca}, "inductor": {},
+                   "mxmaca-inductor": {"backend": mxmaca, "options": {
                        "plan": mxgraph.Plan(codegen="inductor")}}}[runner]
         compiled = torch.compile(model, **options)
 
@@ -157,12 +168,16 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU, MXMACA's too)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the model's parameter dtype")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="transformer layers of every model (default: the model's own)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds one (model, runner) run may take; past it the row fails")
     parser.add_argument("--out", default="bench_results/compile.json")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "RUNNER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         row = measure(*args.one, args.steps, args.batch_size, args.seq_len, args.device,
-                      args.dtype)
+                      args.dtype, args.layers)
         print("ROW " + json.dumps(row))
         return 0
     unknown = [r for r in args.runners.split(",") if r not in RUNNERS]
@@ -177,28 +192,42 @@ def main(argv=None) -> int:
                        "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                        "--seq-len", str(args.seq_len), "--device", args.device,
                        "--dtype", args.dtype]
+            command += [] if args.layers is None else ["--layers", str(args.layers)]
             print(f"round {round_ + 1}/{args.rounds}: {model_name} / {runner} ...",
                   file=sys.stderr, flush=True)
             env = dict(os.environ, PYTHONPATH=str(ROOT))  # this checkout's mxgraph and models
-            result = subprocess.run(command, capture_output=True, text=True, env=env)
+            try:
+                result = subprocess.run(command, capture_output=True, text=True, env=env,
+                                        timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                print(f"  timed out after {args.timeout:.0f} s", file=sys.stderr)
+                continue
             lines = [l for l in result.stdout.splitlines() if l.startswith("ROW ")]
             if result.returncode or not lines:
                 print(result.stderr[-2000:], file=sys.stderr)
                 continue
             row = json.loads(lines[0][4:])
+            print(f"  {row['step_ms']:.1f} ms a step, compile {row['compile_s']:.1f} s",
+                  file=sys.stderr, flush=True)
             rounds[(model_name, runner)].append(row["step_ms"])
             kept = best[(model_name, runner)]
             if "error" in kept or row["step_ms"] < kept["step_ms"]:
                 best[(model_name, runner)] = row
+            write_rows(args, pairs, best, rounds)  # so far: a run cut short keeps its rows
+    print_table(write_rows(args, pairs, best, rounds))
+    return 0
+
+
+def write_rows(args, pairs, best, rounds) -> list[dict]:
+    """Write the JSON of every (model, runner) pair as it stands; returns its rows."""
     rows = [best[pair] if "error" in best[pair] else {**best[pair], "rounds": rounds[pair]}
             for pair in pairs]
-    print_table(rows)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"batch_size": args.batch_size, "seq_len":
                                           args.seq_len, "device": args.device,
                                           "dtype": args.dtype, "rounds": args.rounds,
-                                          "rows": rows}, indent=2))
-    return 0
+                                          "layers": args.layers, "rows": rows}, indent=2))
+    return rows
 
 
 def print_table(rows) -> None:

@@ -247,14 +247,18 @@ TOLERANCE = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2}
 
 def _values(fn, inputs, backward: bool) -> list[torch.Tensor]:
     """`fn`'s floating outputs and, with `backward`, the gradients of the inputs that need
-    one for an all-ones output gradient (as `_fwd_bwd` times it), in fp32."""
+    one for a random output gradient (seeded: the same for every implementation), in fp32.
+    Not all-ones: the router's probabilities are normalised to a constant sum, so an
+    all-ones gradient gives its logits a zero gradient, all rounding noise (an H200 run
+    flagged it WRONG for the fused kernel and torch.compile alike)."""
     leaves = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
     outs = [o for o in _as_tuple(fn(*inputs)) if isinstance(o, torch.Tensor) and o.is_floating_point()]
     values = [o.detach().float() for o in outs]
     differentiable = [o for o in outs if o.requires_grad]
     if backward and differentiable:
-        grads = torch.autograd.grad(differentiable, leaves, [torch.ones_like(o) for o in differentiable],
-                                    allow_unused=True)
+        seed = torch.Generator(differentiable[0].device).manual_seed(0)
+        upstream = [torch.randn(o.shape, generator=seed, device=o.device).to(o.dtype) for o in differentiable]
+        grads = torch.autograd.grad(differentiable, leaves, upstream, allow_unused=True)
         values += [g.float() for g in grads if g is not None]
     return values
 

@@ -5,8 +5,9 @@ every step and profile the last one (run under torchrun by `bench_search.measure
         --warmup 2 -- <mxgraph train arguments>
 
 Writes `PATH.rank<r>`: the step intervals, the median step time past the warm-up, the
-monitor's level-0 sections of its last full interval, and the peak bytes (live tensors at
-the profiled step's start plus the allocator's peak during it).
+monitor's level-0 sections of its last full interval, and the peak bytes (on the CPU: live
+tensors at the profiled step's start plus the allocator's peak during it; on a GPU:
+`torch.cuda.max_memory_allocated` over the whole run).
 """
 from __future__ import annotations
 
@@ -126,6 +127,8 @@ def worker(out: str, steps: int, warmup: int, train_argv: list[str]) -> int:
               "step_s": statistics.median(timed) if timed else None,
               "sections_s": sections, **memory}
     result["peak_bytes"] = memory.get("state_bytes", 0) + memory.get("step_peak_bytes", 0)
+    if torch.cuda.is_available():  # on a GPU: the caching allocator's peak over the run
+        result["peak_bytes"] = torch.cuda.max_memory_allocated()
     Path(f"{out}.rank{rank}").write_text(json.dumps(result))
     return code
 

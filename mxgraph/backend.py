@@ -13,7 +13,9 @@ fusion) and fx Python code on the CPU; `Plan(codegen="inductor")` asks for Induc
 The region's functional forward is differentiated again by AOTAutograd, so the ops
 functionalization leaves without an autograd formula are decomposed into differentiable ones
 as it is exported (`FORWARD_DECOMPOSITIONS`: `aten.copy`, from an in-place `copy_` into a
-slice, as deepseek_v3's key assembly does).
+slice, as deepseek_v3's key assembly does). The export runs without gradients, so on a GPU
+SDPA takes its inference kernels; each is asked for the log-sum-exp its backward will read
+(`keep_logsumexp`).
 
 A region AOTAutograd cannot export as a plain function (it mutates a buffer or an input,
 say, calls a custom `autograd.Function`, whose backward only the region as Dynamo gave it
@@ -177,9 +179,31 @@ def _functional_forward(gm, example_inputs, ctx: CompileContext):
             reason = (f"its exported forward takes {len(inputs)} inputs for the region's "
                       f"{len(example_inputs)} (the last: {inputs[-1]})")
         else:
+            keep_logsumexp(forward)
             return forward
     _fall_back(ctx, gm, reason)
     return None
+
+
+LOGSUMEXP_ATTENTION = (torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+                       torch.ops.aten._scaled_dot_product_efficient_attention.default)
+"""GPU attention kernels that return their log-sum-exp only when asked (`compute_log_sumexp`)."""
+
+
+def keep_logsumexp(forward: torch.fx.GraphModule) -> None:
+    """Ask every GPU attention call of `forward` for its log-sum-exp. The forward is
+    exported without gradients (`trace_joint=False` runs under no_grad), so SDPA chose its
+    inference form; AOTAutograd then differentiates it, and the backward reads the
+    log-sum-exp the inference form never returns (Inductor fails on the missing tensor)."""
+    for node in forward.graph.nodes:
+        if node.op == "call_function" and node.target in LOGSUMEXP_ATTENTION:
+            names = [a.name for a in node.target._schema.arguments]
+            where = names.index("compute_log_sumexp")
+            if where < len(node.args):
+                node.args = node.args[:where] + (True,) + node.args[where + 1:]
+            else:
+                node.kwargs = {**node.kwargs, "compute_log_sumexp": True}
+    forward.recompile()
 
 
 def _fall_back(ctx: CompileContext, gm, reason: str) -> None:

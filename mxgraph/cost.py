@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 from torch.fx import Node
-from torch.fx.experimental.symbolic_shapes import has_guarding_hint
 
 from mxgraph.ir import ALIAS_OPS, MATMUL_OPS, schema_arg
+from mxgraph.torch_compat import has_guarding_hint
 
 aten = torch.ops.aten
 

@@ -1,5 +1,6 @@
 """torch.compile(backend="mxmaca") in a fresh interpreter that never imports mxgraph.backend
 (`import models` loads mxgraph itself: models/moe.py takes the grouped_mm op from it)."""
+import operator
 import subprocess
 import sys
 import textwrap
@@ -142,3 +143,30 @@ def test_inductor_compiles_the_passed_graphs(monkeypatch):
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert ((p.grad - q.grad).norm() / q.grad.norm()).item() <= 1e-6, name
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("op", ["_scaled_dot_product_cudnn_attention",
+                                "_scaled_dot_product_efficient_attention"])
+@pytest.mark.parametrize("as_kwarg", [False, True])
+def test_exported_forward_keeps_attention_logsumexp(op, as_kwarg):
+    """The forward is exported under no_grad, where SDPA picks its inference form on a GPU;
+    AOTAutograd differentiates it again, and the backward needs the log-sum-exp. Seen on
+    an H200: Inductor's code failed on the missing tensor. The graph is only built here
+    (these kernels need a GPU), and the rewrite is checked on its arguments."""
+    from mxgraph.backend import keep_logsumexp
+    target = getattr(torch.ops.aten, op).default
+    graph = torch.fx.Graph()
+    q, k, v = (graph.placeholder(name) for name in "qkv")
+    if as_kwarg:
+        call = graph.call_function(target, (q, k, v, None),
+                                   {"compute_log_sumexp": False, "is_causal": True})
+    else:
+        call = graph.call_function(target, (q, k, v, None, False, 0.0, True))
+    graph.output(graph.call_function(operator.getitem, (call, 0)))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    keep_logsumexp(module)
+    node = next(n for n in module.graph.nodes if n.target is target)
+    bound = torch.fx.operator_schemas.normalize_function(
+        target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    assert bound["compute_log_sumexp"] is True
+    assert bound["is_causal"] is True  # the other arguments kept

@@ -354,3 +354,21 @@ def test_load_memory(load, tmp_path):
     for row in data["ranks"]:
         assert 0.45 * data["model_mib"] < row["held_parameters_mib"] < 0.55 * data["model_mib"]
         assert row["peak_during_load_mib"] >= row["rss_after_compile_mib"] > 0
+
+
+def test_bench_search_gpu_tiny(load, tmp_path):
+    """bench_search_gpu (issue #31's check on a GPU) on the CPU: calibrate, search, predict
+    and train one layout; the row holds a prediction and a measurement, and the plan run is
+    the search's top plan with full recompute."""
+    bench = load("bench_search_gpu")
+    code = bench.main(["--model", "llama-tiny", "--layers", "1", "--global-batch", "2",
+                       "--seq-len", "32", "--steps", "4", "--warmup", "2", "--quick",
+                       "--layouts", "full", "--out", str(tmp_path / "out")])
+    rows = json.loads((tmp_path / "out" / "search_gpu.json").read_text())
+    assert code == 0 and [r["layout"] for r in rows] == ["full recompute"], rows
+    assert rows[0]["predicted_s"] > 0 and rows[0]["measured_s"] > 0
+    assert rows[0]["predicted_gib"] > 0 and rows[0]["measured_gib"] > 0
+    plan = (tmp_path / "out" / "full_recompute.toml").read_text()
+    assert 'recompute = "full"' in plan.splitlines()
+    model = (tmp_path / "out" / "model.toml").read_text()
+    assert 'family = "llama"' in model and "n_layers = 1" in model

@@ -10,10 +10,14 @@ shared as in training; the numbers kept are the mean over ranks):
   intercept beyond the per-op overhead. On cuda (sizes 1024-8192) the profile times GEMMs
   by shape instead: `sm_count` from the device, `gemm_tile` by architecture (128x256 from
   Hopper on, 256x128 before), and peak_flops the rate of whole tiles (`tile_rate`).
-* attention: causal `scaled_dot_product_attention` forward, FLOPs by cost.py's rule, the
+* attention: causal `scaled_dot_product_attention` forward (on cuda forward and backward,
+  at LLM shapes: 8 x 16 heads x 128, sequences 512-4096), FLOPs by cost.py's rule, the
   same fit: attention_efficiency = its rate / peak_flops.
-* memory-bound: `add` of growing tensors, bytes read + written; hbm_bw = the fitted rate.
-* op overhead: the median time of an `add` of one element.
+* memory-bound: `add` of growing tensors (on cuda 1M-128M elements), bytes read + written;
+  hbm_bw = the fitted rate.
+* op overhead: the median time of an `add` of one element. On cuda each sample queues 10
+  calls before it synchronises, so a time is the kernels' back to back (as a step issues
+  them), not the host's wait for one.
 * optimizer: `torch.optim.AdamW.step()` and `clip_grad_norm_` per parameter element.
 * each compute sample repeats its op for about 0.1 s, every rank at once: ranks that share
   cores (the CPU) measure the shared rate training sees.
@@ -120,9 +124,17 @@ def measure(name: str, quick: bool = False):
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
         return top.item()
 
+    queued = 10 if device.type == "cuda" else 1
+    # a GPU runs kernels behind the host: `queued` calls between two synchronisations, so a
+    # sample times the kernels back to back (as a step issues them), not the host's wait
+
     def run(fn):
-        return _timed(lambda: (fn(), sync()), repeats, barrier, min_s=0.02 if quick else 0.1,
-                      longest=longest if world > 1 else None)
+        def calls():
+            for _ in range(queued):
+                fn()
+            sync()
+        return _timed(calls, repeats, barrier, min_s=0.02 if quick else 0.1,
+                      longest=longest if world > 1 else None) / queued
 
     one = torch.ones(1, device=device)
     overhead = run(lambda: one + one)
@@ -131,9 +143,13 @@ def measure(name: str, quick: bool = False):
         props = torch.cuda.get_device_properties(device)
         shape_model = {"sm_count": props.multi_processor_count,
                        "gemm_tile": [128, 256] if props.major >= 9 else [256, 128]}
-        sizes = (1024, 4096) if quick else (1024, 2048, 4096, 8192)
+        sizes = (2048, 8192) if quick else (1024, 2048, 4096, 8192)
+        attention_sizes = (8, 16, (1024, 4096) if quick else (512, 1024, 2048, 4096), 128)
+        memory_sizes = (2 ** 22, 2 ** 27) if quick else (2 ** 20, 2 ** 22, 2 ** 25, 2 ** 27)
     else:
         sizes = (64, 256) if quick else (128, 256, 512, 768)
+        attention_sizes = (1, 4, (64, 128) if quick else (128, 256, 512), 64)
+        memory_sizes = (10 ** 4, 10 ** 6) if quick else (10 ** 4, 10 ** 5, 10 ** 6, 4 * 10 ** 6)
     gemm = []
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
@@ -145,14 +161,21 @@ def measure(name: str, quick: bool = False):
                          **shape_model)
         gemm_a = overhead
     attention = []
-    for seq in ((64, 128) if quick else (128, 256, 512)):
-        q = torch.randn(1, 4, seq, 64, device=device, dtype=dtype)
-        flops = 2 * 4 * seq * seq * 128 / 2
-        attention.append((flops, run(lambda q=q: torch.nn.functional.scaled_dot_product_attention(
-            q, q, q, is_causal=True))))
+    batch, heads, seqs, head_dim = attention_sizes
+    backward = device.type == "cuda"  # a GPU's flash backward runs below its forward's rate
+    for seq in seqs:  # causal; FLOPs as the cost rules count them (backward: 2x forward)
+        q = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype,
+                        requires_grad=backward)
+        flops = (3 if backward else 1) * 2 * batch * heads * seq * seq * 2 * head_dim / 2
+
+        def attend(q=q):
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            if backward:
+                out.backward(q.detach())
+        attention.append((flops, run(attend)))
     attn_a, attn_b = fit(attention)
     memory = []
-    for numel in ((10 ** 4, 10 ** 6) if quick else (10 ** 4, 10 ** 5, 10 ** 6, 4 * 10 ** 6)):
+    for numel in memory_sizes:
         x = torch.ones(numel, device=device, dtype=dtype)
         memory.append((3.0 * numel * x.element_size(), run(lambda x=x: x + x)))
     mem_a, mem_b = fit(memory)
@@ -210,6 +233,8 @@ def optimizer_times(run, device, overhead: float, quick: bool) -> tuple[float, f
 
     from mxgraph.runtime.grad_norm import clip_pieces_
     numel = 2 ** 18 if quick else 2 ** 23  # past the caches, as a model's parameters are
+    if device.type == "cuda":  # past a GPU's L2 and its per-launch costs
+        numel = 2 ** 24 if quick else 2 ** 26
     params = [torch.nn.Parameter(torch.randn(numel // 16, device=device)) for _ in range(16)]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -217,8 +242,9 @@ def optimizer_times(run, device, overhead: float, quick: bool) -> tuple[float, f
     adamw = run(optimizer.step)
     pieces = [(p.grad, 1) for p in params]
     clip = run(lambda: clip_pieces_(pieces, 1e9, device, reduce=False))
-    return (max(0.0, adamw - 12 * 16 * overhead) / numel,
-            max(0.0, clip - 2 * 16 * overhead) / numel)
+    tensors = 16 if device.type == "cpu" else 0  # cuda's foreach kernels: a few launches
+    return (max(0.0, adamw - 12 * tensors * overhead) / numel,
+            max(0.0, clip - 2 * tensors * overhead) / numel)
 
 
 def _host_memory() -> float:
