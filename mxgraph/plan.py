@@ -97,7 +97,10 @@ class Plan:
     offload_prefetch: int = 1
     """Backward nodes between the prefetch of an offloaded value and its first use."""
     fusion: bool | str = False
-    """Flash Fusion: True = all fused kernels, False = none, or a comma list of names."""
+    """Flash Fusion: True = the fused kernels that pay on the device (under Inductor
+    codegen on an NVIDIA GPU, the kinds whose kernels Inductor's own code beats are left to
+    it: `passes.fusion.fuse.LEFT_TO_INDUCTOR`, named in the dump), False = none, or a comma
+    list of names (`FUSION_KINDS`), each fused as asked."""
     codegen: str = "auto"
     """How each program (a stage's F, B and W pieces) runs: "python" (fx's Python code, one
     ATen call per line), "inductor" (fused C++ loops on the CPU, Triton kernels on a GPU;

@@ -205,3 +205,20 @@ def test_hf_style_llama_fuses_every_site_and_trains_the_same(attention_bias, tmp
     layers = len(model.layers)
     assert dump_counts(tmp_path) == {"rmsnorm": 2 * layers + 1, "rope": layers, "gqa": layers,
                                      "swiglu": layers, "linear_cross_entropy": 1}
+
+
+def test_fusion_policy_leaves_losing_kinds_to_inductor():
+    """fusion=True under Inductor codegen on an NVIDIA GPU keeps only the kinds whose
+    kernels beat Inductor there (measured on an H200); Python codegen, the CPU, MetaX and a
+    plan that names its kinds keep every kind asked for."""
+    from mxgraph import Plan
+    from mxgraph.passes.fusion.fuse import LEFT_TO_INDUCTOR, fusion_policy
+    from mxgraph.plan import FUSION_KINDS
+    everything = Plan(fusion=True)
+    kept, left = fusion_policy(everything, "nvidia", "inductor")
+    assert kept == {"moe_permute", "moe_router"} and left == LEFT_TO_INDUCTOR["nvidia"]
+    assert kept | left == set(FUSION_KINDS)
+    for kind, codegen in (("nvidia", "python"), ("cpu", "inductor"), ("metax", "inductor")):
+        assert fusion_policy(everything, kind, codegen) == (set(FUSION_KINDS), set())
+    named = Plan(fusion="rmsnorm,moe_router")
+    assert fusion_policy(named, "nvidia", "inductor") == ({"rmsnorm", "moe_router"}, set())
