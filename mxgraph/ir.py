@@ -122,6 +122,15 @@ def is_mutating(node: Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
 
 
+def graph_device(gm: GraphModule) -> torch.device | None:
+    """The device of the graph's first tensor input (its fake value's); None without one."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
 def is_backward(node: Node) -> bool:
     """A node of a joint graph's backward part (AOTAutograd's `partitioner_tag`)."""
     return node.meta.get("partitioner_tag") == "is_backward"

@@ -177,9 +177,9 @@ def measure_saved(gm: torch.fx.GraphModule, args: list) -> SavedSummary:
     return probe.result or SavedSummary(0, 0, [])
 
 
-def measure_step(step, *args) -> SavedSummary:
-    """Measure the saved activations of a compiled step without pipelining (its one
-    stage's joint graph after the joint passes), for inputs `args`."""
+def step_joint(step, *args) -> tuple[torch.fx.GraphModule, list]:
+    """The joint graph (after the joint passes) of a compiled step without pipelining, and
+    the inputs it takes for `args` (the loss's incoming gradient: 1)."""
     executor = step.compiled(*args)
     (runtime,) = executor.stages.values()
     tensors, flat = model_tensors(step.model), flat_inputs(args, {})
@@ -191,7 +191,13 @@ def measure_step(step, *args) -> SavedSummary:
             inputs.append(flat[runtime.user_inputs[slot.key]])
         else:
             inputs.append(slot_tensor(slot, tensors, runtime.constants))
-    return measure_saved(runtime.joint.gm, inputs)
+    return runtime.joint.gm, inputs
+
+
+def measure_step(step, *args) -> SavedSummary:
+    """Measure the saved activations of a compiled step without pipelining (its one
+    stage's joint graph after the joint passes), for inputs `args`."""
+    return measure_saved(*step_joint(step, *args))
 
 
 def relative_gap(estimate: int, measured: int) -> float:

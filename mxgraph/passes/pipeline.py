@@ -15,6 +15,7 @@ from mxgraph.passes.causal_mask import causal_mask_pass
 from mxgraph.passes.cleanup import dead_code_pass, remove_noop_joint_pass, remove_noop_pass, safe_views_pass
 from mxgraph.passes.fusion.fuse import fuse_pass
 from mxgraph.passes.fusion.residual_grad import fuse_residual_grad_pass
+from mxgraph.passes.memory.auto_remat import auto_remat_pass
 from mxgraph.passes.memory.offload import offload_pass
 from mxgraph.passes.memory.remat import remat_pass
 from mxgraph.passes.moe.capacity import moe_capacity_pass
@@ -71,6 +72,9 @@ JOINT_PASSES = [
              "norm's backward; before remat, which then sees the final backward"),
     PassSpec("remat", remat_pass, "joint",
              "first memory pass: decides saved vs recomputed before offload moves what is saved"),
+    PassSpec("auto_remat", auto_remat_pass, "joint",
+             "after remat, in its place for a plan with no memory policy of its own: under "
+             "Inductor codegen, recompute what torch.compile's min-cut partitioner would"),
     PassSpec("offload", offload_pass, "joint",
              "after remat: only values that stay saved are worth moving to the host"),
     PassSpec("overlap_async", overlap_async_pass, "joint",

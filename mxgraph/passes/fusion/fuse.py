@@ -23,6 +23,7 @@ from torch.fx import GraphModule
 
 import mxgraph.codegen.kernels  # noqa: F401 - registers torch.ops.mxgraph.*
 from mxgraph.context import CompileContext
+from mxgraph.ir import graph_device
 from mxgraph.passes.fusion.attention import RepeatGQA, RoPE
 from mxgraph.passes.fusion.elementwise import BiasDropoutAdd, BiasGelu, SwiGLU
 from mxgraph.passes.fusion.moe import MoEPermute, MoERouter
@@ -66,14 +67,6 @@ def fusion_policy(plan, device_kind: str, codegen: str) -> tuple[set, set]:
     return kinds - left, left
 
 
-def _graph_device(gm: GraphModule) -> torch.device | None:
-    for node in gm.graph.find_nodes(op="placeholder"):
-        value = node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return None
-
-
 def fuse_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     """Rewrite every match of the plan's fusion kinds into its fused custom op.
 
@@ -87,7 +80,7 @@ def fuse_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     kinds = set(ctx.plan.fusion_kinds())
     if not kinds:
         return gm
-    device = _graph_device(gm)
+    device = graph_device(gm)
     if device is not None and device.type != "cpu":
         kind = detect(device).kind
         kinds, left = fusion_policy(ctx.plan, kind, ctx.plan.codegen_for(device.type))
