@@ -67,10 +67,13 @@ def _status_kib(field: str) -> int:
 
 
 def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: int,
-            device: str = "cpu", dtype: str = "float32", layers: int | None = None) -> dict:
+            device: str = "cpu", dtype: str = "float32", layers: int | None = None,
+            profile: int = 0) -> dict:
     """Run in this process: build, compile, time; returns one result row. ``layers``
     replaces the model's number of transformer layers (the same layer shapes, fewer of
-    them: compile time grows with the layers, the runners' ratios hardly)."""
+    them: compile time grows with the layers, the runners' ratios hardly). ``profile``:
+    after the timed steps, profile 2 more and keep the ``profile`` ops (kernels on a GPU)
+    that took the most time, per step (`top_ops`), and how many ran (`ops_per_step`)."""
     import torch
 
     import models
@@ -146,12 +149,43 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
     from mxgraph.metrics import device_peak
     from mxgraph.runtime.cluster.device import detect
     peak_flops = device_peak(None, detect(torch.device(device)))[1]
-    return {"model": model_name, "runner": runner, "device": device, "dtype": dtype,
+    row = {"model": model_name, "runner": runner, "device": device, "dtype": dtype,
             "params": sum(p.numel() for p in model.parameters()),
             "compile_s": max(0.0, first - warm), "step_ms": step_s * 1e3,
             "tokens_per_s": batch_size * seq_len / step_s,
             "mfu": flops_per_token * batch_size * seq_len / step_s / peak_flops,
             "peak_mib": max(0, peak - base) / 2**20}
+    if profile:
+        row.update(profile_ops(step, sync, gpu, profile))
+    return row
+
+
+def profile_ops(step, sync, gpu: bool, top: int, steps: int = 2) -> dict:
+    """The `top` ops by time per step over `steps` profiled steps: on a GPU the device
+    kernels (name, ms, calls per step), on the CPU the ATen ops by self CPU time; and the
+    number of them per step (kernel launches on a GPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync()
+    if gpu:  # device kernels: events that ran on the GPU
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        totals: dict[str, list] = {}
+        for e in events:
+            entry = totals.setdefault(e.name, [0.0, 0])
+            entry[0] += e.device_time_total / 1e3
+            entry[1] += 1
+        count = len(events)
+    else:
+        averages = [a for a in prof.key_averages() if a.key.startswith("aten::")]
+        totals = {a.key: [a.self_cpu_time_total / 1e3, a.count] for a in averages}
+        count = sum(a.count for a in averages)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return {"ops_per_step": count / steps,
+            "top_ops": [[name[:80], ms / steps, calls / steps] for name, (ms, calls) in ranked]}
 
 
 def main(argv=None) -> int:
@@ -172,12 +206,15 @@ def main(argv=None) -> int:
                         help="transformer layers of every model (default: the model's own)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds one (model, runner) run may take; past it the row fails")
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="after the timed steps, profile 2 more and print each runner's "
+                             "K most expensive ops (GPU kernels) and its ops (launches) a step")
     parser.add_argument("--out", default="bench_results/compile.json")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "RUNNER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
         row = measure(*args.one, args.steps, args.batch_size, args.seq_len, args.device,
-                      args.dtype, args.layers)
+                      args.dtype, args.layers, args.profile)
         print("ROW " + json.dumps(row))
         return 0
     unknown = [r for r in args.runners.split(",") if r not in RUNNERS]
@@ -193,6 +230,7 @@ def main(argv=None) -> int:
                        "--seq-len", str(args.seq_len), "--device", args.device,
                        "--dtype", args.dtype]
             command += [] if args.layers is None else ["--layers", str(args.layers)]
+            command += ["--profile", str(args.profile)] if args.profile else []
             print(f"round {round_ + 1}/{args.rounds}: {model_name} / {runner} ...",
                   file=sys.stderr, flush=True)
             env = dict(os.environ, PYTHONPATH=str(ROOT))  # this checkout's mxgraph and models
@@ -248,6 +286,12 @@ def print_table(rows) -> None:
               f"{r['compile_s']:>9.2f} {r['step_ms']:>9.1f} {r['tokens_per_s']:>9.0f} "
               f"{r['mfu']:>6.1%} {ratios[0]:>9} {ratios[1]:>11} {r['peak_mib']:>9.1f}  "
               f"{' '.join(f'{ms:.1f}' for ms in r.get('rounds', ()))}")
+    for r in ok:
+        if "top_ops" in r:
+            print(f"\n{r['model']} / {r['runner']}: {r['ops_per_step']:.0f} ops a step; "
+                  f"the most expensive (ms a step, calls a step):")
+            for name, ms, calls in r["top_ops"]:
+                print(f"  {ms:9.2f} {calls:6.0f}  {name}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@
 # 2. llama-1b training steps (the TinyLlama-1.1B layer shapes, GPU_CHECK_LAYERS=4 of its 22
 #    layers so that each runner compiles in seconds; forward + backward, bf16, one GPU) for
 #    eager, torch.compile, the mxmaca backend, and mx.compile with Python and with Inductor
-#    codegen, fusion off and on: step ms, tokens/s, MFU, compile s, peak memory:
+#    codegen, fusion off and on: step ms, tokens/s, MFU, compile s, peak memory, and each
+#    runner's 15 most expensive kernels and kernel launches a step (--profile):
 #    benchmarks/bench_compile.py (~3 min).
 # 3. Auto Search on this GPU: calibrate it (--quick), predict llama-1b (2 layers) under its
 #    top plan and under full recompute, train each with mxgraph train, print the errors:
@@ -31,7 +32,7 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')"
 if [[ $tiny == 1 ]]; then
     "$py" benchmarks/bench_kernels.py --smoke --out "$out/kernels.json"
     "$py" benchmarks/bench_compile.py --models llama-tiny --runners eager,mxgraph-python,mxgraph-python-fusion \
-        --steps 1 --batch-size 1 --seq-len 16 --out "$out/compile.json"
+        --steps 1 --batch-size 1 --seq-len 16 --profile 5 --out "$out/compile.json"
     exit 0
 fi
 "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
@@ -42,7 +43,7 @@ status=0
 "$py" benchmarks/bench_compile.py --device cuda --dtype bfloat16 --models llama-1b \
     --layers "${GPU_CHECK_LAYERS:-4}" --steps 6 --batch-size "${GPU_CHECK_BATCH:-8}" --seq-len 2048 \
     --runners eager,inductor,mxmaca,mxgraph-python,mxgraph-python-fusion,mxgraph-inductor,mxgraph-inductor-fusion \
-    --timeout 120 --out "$out/compile.json" || status=$?
+    --timeout 120 --profile 15 --out "$out/compile.json" || status=$?
 "$py" benchmarks/bench_search_gpu.py --model llama-1b --layers 2 --global-batch 8 --seq-len 2048 \
     --steps 7 --warmup 3 --quick --layouts top,full --timeout 150 --out "$out/search" || status=$?
 exit $status

@@ -91,7 +91,7 @@ def test_gpu_check_tiny_and_compile(load, tmp_path):
     eager, fp32: within 1e-6 relative on the CPU, where the ops take their references,
     which sum a few values in another order) and bench_compile's eager
     and mxgraph runners (inductor left out: its C++ build takes minutes), one subprocess
-    each."""
+    each, with --profile's top ops."""
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--tiny", str(tmp_path)],
                           capture_output=True, text=True, cwd=ROOT, timeout=600,
                           env={**os.environ, "PYTHON": sys.executable})
@@ -104,6 +104,11 @@ def test_gpu_check_tiny_and_compile(load, tmp_path):
     assert [r["runner"] for r in rows] == ["eager", "mxgraph-python", "mxgraph-python-fusion"]
     assert all(r["step_ms"] > 0 and r["compile_s"] >= 0 and r["tokens_per_s"] > 0 for r in rows)
     assert rows[0]["params"] == rows[1]["params"] > 0
+    for row in rows:  # --profile 5: the 5 ATen ops with the most self time a step
+        assert len(row["top_ops"]) == 5 and row["ops_per_step"] >= 5, row
+        times = [ms for _, ms, _ in row["top_ops"]]
+        assert times == sorted(times, reverse=True) and all(name.startswith("aten::")
+                                                            for name, _, _ in row["top_ops"])
     with pytest.raises(SystemExit):  # an unknown runner is named, not skipped
         load("bench_compile").main(["--runners", "eager,torch"])
 
