@@ -21,7 +21,10 @@ Per rank (one per pipeline stage; TP/CP/DP/EP peers hold the same amounts):
 * **offloaded** - host bytes the offload pass moves, same scaling (not on the device).
 * with `flash_attention` (default), math attention found in the trace (softmax between
   two bmms, what the CPU picks for MLA's unequal head dims) is recomputed like a fused
-  attention kernel's backward, so no S x S matrix counts as saved.
+  attention kernel's backward, so no S x S matrix counts as saved; and the programs'
+  codegen is the plan's on a GPU (else on the CPU): under Inductor codegen (the default
+  where Inductor generates code) the auto remat pass recomputes what torch.compile's
+  min-cut partitioner would, and saves less.
 * **transient** - the traced graph's liveness peak minus parameters and saved values: the
   working set of one micro-batch's forward and backward (logits included); plus, under
   bf16-mixed or with several micro-batches, one gradient per parameter in the parameter
@@ -110,7 +113,8 @@ def _trace_saved(config, plan: Plan, batch_size: int, seq_len: int, dtype: torch
     policy = dataclasses.replace(
         Plan(), recompute=plan.recompute_stages.get(stage, plan.recompute),
         offload=plan.offload, offload_prefetch=plan.offload_prefetch, fusion=plan.fusion,
-        disable_passes=plan.disable_passes)
+        disable_passes=plan.disable_passes,
+        codegen=plan.codegen_for("cuda" if flash_attention else "cpu"))
     mesh = Mesh.on_paper()
     after = {"remat": lambda c: _as_flash_attention(c.joints[0].gm)} if flash_attention else {}
     compilation = compile_step(model, policy, mesh, CompileContext(plan=policy, mesh=mesh),

@@ -34,6 +34,10 @@ MLA) is priced as the fused kernel the GPU runs (`fused_attention`). Collectives
 Parameters are the joint graph's parameter placeholders at their local (sharded) shapes;
 saved activations are read from the same joint graph (`memory_plan.saved_by_layer`). The
 pre-score extrapolates tp > 2 from the traces at tp 1 and 2 (`TraceCache.estimate`).
+The traced plan's codegen is the searched device's (`_plan`): under Inductor codegen the
+auto remat pass recomputes what torch.compile's partitioner would, which lowers the saved
+bytes; its recomputed values fuse into the backward's kernels and are not priced, and an
+op it decomposed (a softmax, a norm) is priced as one kernel: its largest node.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ import torch
 
 from mxgraph.comm_graph import graph_entries
 from mxgraph.context import CompileContext
+from mxgraph.cost import node_cost
 from mxgraph.driver import compile_step, fake_model, paper_mesh, run
 from mxgraph.ir import copy_module, packet
 from mxgraph.memory_plan import SavedByKind, recompute_math_attention, saved_by_layer
@@ -221,9 +226,31 @@ class Traced:
 
 
 def _plan(key: TraceKey) -> Plan:
+    """The traced plan; its codegen is the one the searched device's programs get (a GPU's
+    where attention is fused, else the CPU's), so that Inductor codegen's auto remat is in
+    the saved bytes where the device would run it."""
     ep = TRACED_EP if key.expert_parallel else 1
     return Plan(tp=key.tp, sequence_parallel=key.sequence_parallel, cp=key.cp, ep=ep, dp=ep,
-                recompute=key.recompute, offload=key.offload)
+                recompute=key.recompute, offload=key.offload,
+                codegen=Plan().codegen_for(target_device_type(key.flash_attention)))
+
+
+def _add(parts: dict, small, node, where: dict, ep: int, fused, tokens: int) -> None:
+    custom = node.meta.get("custom") or {}
+    kind = layer_kind(small, custom.get("layer"), custom.get("module", ""))
+    add_node(parts.setdefault((kind, where[node.name]), PartCost()), node, ep, fused, tokens)
+
+
+def _fused_recompute(node) -> bool:
+    """A value auto remat recomputes under Inductor codegen: Inductor lowers it inside the
+    backward kernel that reads it (what the min-cut partitioner recomputes is pointwise,
+    views and row reductions), so it costs no launch and no memory traffic of its own."""
+    return node.meta.get("created_by") == "auto_remat" and "recomputed_from" in node.meta
+
+
+def target_device_type(flash_attention: bool) -> str:
+    """The device type a trace stands for: a GPU ("cuda") where attention is fused."""
+    return "cuda" if flash_attention else "cpu"
 
 
 def _steps(first: str, last: str):
@@ -283,13 +310,19 @@ def read_costs(traced: Traced, compilation, key: TraceKey, seq_len: int,
     where = program_of(programs)
     fused = fused_attention(joint.gm, seq_len, key.cp) if key.flash_attention else None
     parts: dict[tuple[str, str], PartCost] = {}
+    decomposed: dict[str, torch.fx.Node] = {}  # op decomposed by auto remat -> its largest node
     for node in joint.gm.graph.nodes:
-        if node.op != "call_function" or node.name not in where:
+        if node.op != "call_function" or node.name not in where or _fused_recompute(node):
             continue
-        custom = node.meta.get("custom") or {}
-        kind = layer_kind(small, custom.get("layer"), custom.get("module", ""))
-        add_node(parts.setdefault((kind, where[node.name]), PartCost()), node, ep, fused,
-                 seq_len // key.cp // key.tp)
+        group = node.meta.get("decomposed_from")
+        if group is not None:  # one kernel under Inductor: priced as its largest node
+            largest = decomposed.get(group)
+            if largest is None or node_cost(node).bytes > node_cost(largest).bytes:
+                decomposed[group] = node
+            continue
+        _add(parts, small, node, where, ep, fused, seq_len // key.cp // key.tp)
+    for node in decomposed.values():
+        _add(parts, small, node, where, ep, fused, seq_len // key.cp // key.tp)
     for program_kind, program in programs.all():
         phase = "forward" if program_kind == "F" else "backward"
         for entry in graph_entries(program.gm, mesh, phase, lambda upper: upper // ep):

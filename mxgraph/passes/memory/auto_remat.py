@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import operator
+import warnings
 
 import torch
 from torch._decomp import get_decompositions
@@ -65,7 +66,7 @@ def auto_remat_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     if device is None or plan.codegen_for(device.type) != "inductor":
         return gm
     before = estimate_saved(gm).device_bytes
-    decomposed = decompose_saved(gm)
+    decomposed = decompose_saved(gm, ctx.findings)
     try:
         saved = min_cut_saved(gm)
     except Exception as error:  # noqa: BLE001 - an optimisation: report and keep the graph
@@ -81,14 +82,21 @@ def auto_remat_pass(gm: GraphModule, ctx: CompileContext) -> GraphModule:
     return gm
 
 
-def decompose_saved(gm: GraphModule) -> int:
+def decompose_saved(gm: GraphModule, findings: list | None = None) -> int:
     """Decompose each op of DECOMPOSED in place with torch's decompositions (traced on
-    its fake values); returns how many."""
+    its fake values); returns how many. One whose trace fails stays whole, named in
+    `findings`."""
     table = get_decompositions(list(DECOMPOSED))
     count = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in DECOMPOSED:
-            _decompose(gm, node, table)
+            try:
+                _decompose(gm, node, table)
+            except Exception as error:  # noqa: BLE001 - the op stays whole: only less saved
+                if findings is not None:
+                    findings.append(f"auto remat: {node.name} ({node.target}) kept whole: "
+                                    f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                continue
             count += 1
     if count:
         gm.graph.lint()
@@ -117,6 +125,7 @@ def _decompose(gm: GraphModule, node: Node, table: dict) -> None:
         if new not in kept:
             for key, value in inherited.items():
                 new.meta.setdefault(key, value)
+            new.meta["decomposed_from"] = node.name  # one kernel under Inductor
     if isinstance(result, (tuple, list)):
         for user in list(node.users):
             user.replace_all_uses_with(result[user.args[1]])
@@ -129,7 +138,9 @@ def _decompose(gm: GraphModule, node: Node, table: dict) -> None:
 def min_cut_saved(gm: GraphModule) -> set[str]:
     """Names of the joint graph's nodes the min-cut partitioner saves for the backward."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
-    joint = copy.deepcopy(gm)
+    with warnings.catch_warnings():  # deepcopy of the module's pytree specs warns
+        warnings.simplefilter("ignore", FutureWarning)
+        joint = copy.deepcopy(gm)
     forward, _ = min_cut_rematerialization_partition(
         joint, None, num_fwd_outputs=num_forward_outputs(gm))
     (output,) = forward.graph.find_nodes(op="output")
