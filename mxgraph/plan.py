@@ -112,7 +112,10 @@ class Plan:
     that calls back into the executor (overlapped DP buckets, ZeRO-1, timing points,
     DualPipeV's pausing waits) is lowered in segments between the calls. A program Inductor
     refuses (expert parallelism's, on torch 2.13) runs as Python with a warning (an error
-    under MXGRAPH_STRICT=1): codegen/inductor.py."""
+    under MXGRAPH_STRICT=1): codegen/inductor.py. Under Inductor codegen a plan with no
+    `recompute`, `recompute_stages`, `memory_budget` or `offload` recomputes in the
+    backward what torch.compile's min-cut partitioner would (the `auto_remat` pass; off
+    with `disable_passes=["auto_remat"]`): bitwise the same values, fewer saved bytes."""
     overlap: bool | OverlapOptions | None = None
     """Communication-compute overlap: None/False = off, True = `OverlapOptions()`, or an
     `OverlapOptions` (a dict, or an [overlap] table in TOML)."""
