@@ -114,7 +114,7 @@ def _trace_saved(config, plan: Plan, batch_size: int, seq_len: int, dtype: torch
         Plan(), recompute=plan.recompute_stages.get(stage, plan.recompute),
         offload=plan.offload, offload_prefetch=plan.offload_prefetch, fusion=plan.fusion,
         disable_passes=plan.disable_passes,
-        codegen=plan.codegen_for("cuda" if flash_attention else "cpu"))
+        codegen=plan.codegen_for(target_device_type(flash_attention)))
     mesh = Mesh.on_paper()
     after = {"remat": lambda c: _as_flash_attention(c.joints[0].gm)} if flash_attention else {}
     compilation = compile_step(model, policy, mesh, CompileContext(plan=policy, mesh=mesh),
@@ -128,6 +128,12 @@ def _trace_saved(config, plan: Plan, batch_size: int, seq_len: int, dtype: torch
     peak, resident = estimate_peak(gm)
     return (saved, sum(node_bytes(n, hints) for n in host), whole,
             max(0, peak - resident - saved))
+
+
+def target_device_type(flash_attention: bool) -> str:
+    """The device type a trace stands for: a GPU ("cuda") where attention is fused, else
+    the CPU (its programs' codegen is that device type's)."""
+    return "cuda" if flash_attention else "cpu"
 
 
 def _as_flash_attention(gm) -> None:

@@ -53,7 +53,7 @@ from mxgraph.context import CompileContext
 from mxgraph.cost import node_cost
 from mxgraph.driver import compile_step, fake_model, paper_mesh, run
 from mxgraph.ir import copy_module, packet
-from mxgraph.memory_plan import SavedByKind, recompute_math_attention, saved_by_layer
+from mxgraph.memory_plan import SavedByKind, recompute_math_attention, saved_by_layer, target_device_type
 from mxgraph.memory_saved import node_bytes, size_hints
 from mxgraph.passes.pipeline import PIPELINE
 from mxgraph.plan import Plan
@@ -247,10 +247,6 @@ def _fused_recompute(node) -> bool:
     views and row reductions), so it costs no launch and no memory traffic of its own."""
     return node.meta.get("created_by") == "auto_remat" and "recomputed_from" in node.meta
 
-
-def target_device_type(flash_attention: bool) -> str:
-    """The device type a trace stands for: a GPU ("cuda") where attention is fused."""
-    return "cuda" if flash_attention else "cpu"
 
 
 def _steps(first: str, last: str):
