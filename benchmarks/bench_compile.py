@@ -43,12 +43,15 @@ RUNNERS = {
     "mxgraph-python-fusion": 'mxgraph.compile(model, Plan(codegen="python", fusion=True))',
     "mxgraph-inductor": 'mxgraph.compile(model, Plan(codegen="inductor"))',
     "mxgraph-inductor-fusion": 'mxgraph.compile(model, Plan(codegen="inductor", fusion=True))',
+    "mxgraph-inductor-no-auto-remat": 'mxgraph.compile(model, Plan(codegen="inductor", '
+                                      'disable_passes=["auto_remat"])): saves what eager saves',
 }
 PLANS = {"mxgraph": {}, "mxgraph-fusion": {"fusion": True},
          "mxgraph-python": {"codegen": "python"},
          "mxgraph-python-fusion": {"codegen": "python", "fusion": True},
          "mxgraph-inductor": {"codegen": "inductor"},
-         "mxgraph-inductor-fusion": {"codegen": "inductor", "fusion": True}}
+         "mxgraph-inductor-fusion": {"codegen": "inductor", "fusion": True},
+         "mxgraph-inductor-no-auto-remat": {"codegen": "inductor", "disable_passes": ["auto_remat"]}}
 DEFAULT_RUNNERS = ("eager", "inductor", "mxmaca", "mxmaca-inductor", "mxgraph",
                    "mxgraph-inductor")
 ROOT = Path(__file__).resolve().parents[1]

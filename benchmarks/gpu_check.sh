@@ -42,7 +42,8 @@ status=0
     --out "$out/kernels.json" || status=$?
 "$py" benchmarks/bench_compile.py --device cuda --dtype bfloat16 --models llama-1b \
     --layers "${GPU_CHECK_LAYERS:-4}" --steps 6 --batch-size "${GPU_CHECK_BATCH:-8}" --seq-len 2048 \
-    --runners eager,inductor,mxmaca,mxgraph-python,mxgraph-python-fusion,mxgraph-inductor,mxgraph-inductor-fusion \
+    --runners eager,inductor,mxmaca,mxgraph-python,mxgraph-python-fusion,mxgraph-inductor,\
+mxgraph-inductor-no-auto-remat,mxgraph-inductor-fusion \
     --timeout 120 --profile 15 --out "$out/compile.json" || status=$?
 "$py" benchmarks/bench_search_gpu.py --model llama-1b --layers 2 --global-batch 8 --seq-len 2048 \
     --steps 7 --warmup 3 --quick --layouts top,full --timeout 150 --out "$out/search" || status=$?
