@@ -39,10 +39,14 @@ VARIANTS = {"top": ("top plan", None), "selective": ("selective recompute", "nor
 each policy."""
 
 
+def checkout_env() -> dict:
+    """This process's environment with this checkout first on the path."""
+    return dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
 def cli(*argv: str, timeout: float) -> subprocess.CompletedProcess:
     """`mxgraph ARGV` in a subprocess with this checkout on the path; its output is kept."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "mxgraph.cli", *argv], env=env,
+    return subprocess.run([sys.executable, "-m", "mxgraph.cli", *argv], env=checkout_env(),
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
@@ -73,12 +77,11 @@ def measure(args, plan_path: Path, out: Path) -> dict:
              "--warmup", "1", "--val-batches", "1", "--no-progress"]
     if args.layers is not None:
         train += ["--model-config", f"n_layers={args.layers}"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [sys.executable, str(WORKER), "--out", str(out), "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--", *train]
     started = time.perf_counter()
     try:
-        proc = subprocess.run(command, env=env, capture_output=True, text=True,
+        proc = subprocess.run(command, env=checkout_env(), capture_output=True, text=True,
                               timeout=args.timeout, check=False)
     except subprocess.TimeoutExpired as timeout:
         said = timeout.stderr or b""

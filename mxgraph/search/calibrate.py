@@ -245,9 +245,9 @@ def optimizer_times(run, device, overhead: float, quick: bool) -> tuple[float, f
     adamw = run(optimizer.step)
     pieces = [(p.grad, 1) for p in params]
     clip = run(lambda: clip_pieces_(pieces, 1e9, device, reduce=False))
-    adamw_tensors = 16 if device.type == "cpu" else 0  # cuda's AdamW is foreach: few launches
+    adamw_tensors = len(params) if device.type == "cpu" else 0  # cuda's AdamW is foreach
     return (max(0.0, adamw - 12 * adamw_tensors * overhead) / numel,
-            max(0.0, clip - 2 * 16 * overhead) / numel)  # the clip launches per tensor
+            max(0.0, clip - 2 * len(params) * overhead) / numel)  # the clip launches per tensor
 
 
 def _host_memory() -> float:

@@ -306,18 +306,18 @@ def read_costs(traced: Traced, compilation, key: TraceKey, seq_len: int,
     where = program_of(programs)
     fused = fused_attention(joint.gm, seq_len, key.cp) if key.flash_attention else None
     parts: dict[tuple[str, str], PartCost] = {}
-    decomposed: dict[str, torch.fx.Node] = {}  # op decomposed by auto remat -> its largest node
+    decomposed: dict[str, tuple] = {}  # op decomposed by auto remat -> (bytes, its largest node)
     for node in joint.gm.graph.nodes:
         if node.op != "call_function" or node.name not in where or _fused_recompute(node):
             continue
         group = node.meta.get("decomposed_from")
         if group is not None:  # one kernel under Inductor: priced as its largest node
-            largest = decomposed.get(group)
-            if largest is None or node_cost(node).bytes > node_cost(largest).bytes:
-                decomposed[group] = node
+            size = node_cost(node).bytes
+            if group not in decomposed or size > decomposed[group][0]:
+                decomposed[group] = (size, node)
             continue
         _add(parts, small, node, where, ep, fused, seq_len // key.cp // key.tp)
-    for node in decomposed.values():
+    for _, node in decomposed.values():
         _add(parts, small, node, where, ep, fused, seq_len // key.cp // key.tp)
     for program_kind, program in programs.all():
         phase = "forward" if program_kind == "F" else "backward"

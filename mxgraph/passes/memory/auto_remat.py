@@ -117,15 +117,15 @@ def _decompose(gm: GraphModule, node: Node, table: dict) -> None:
     with fake_mode or contextlib.nullcontext():
         traced = make_fx(call, decomposition_table=table)(*values)
     env = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs, strict=True))
-    kept = set(gm.graph.nodes)
     with gm.graph.inserting_before(node):
         result = gm.graph.graph_copy(traced.graph, env)
     inherited = {k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")}
-    for new in gm.graph.nodes:
-        if new not in kept:
+    for new in traced.graph.nodes:  # graph_copy maps each copied node to its copy in `env`
+        if new.op not in ("placeholder", "output"):
+            copy_ = env[new]
             for key, value in inherited.items():
-                new.meta.setdefault(key, value)
-            new.meta["decomposed_from"] = node.name  # one kernel under Inductor
+                copy_.meta.setdefault(key, value)
+            copy_.meta["decomposed_from"] = node.name  # one kernel under Inductor
     if isinstance(result, (tuple, list)):
         for user in list(node.users):
             user.replace_all_uses_with(result[user.args[1]])
@@ -141,11 +141,10 @@ def min_cut_saved(gm: GraphModule) -> set[str]:
     with warnings.catch_warnings():  # deepcopy of the module's pytree specs warns
         warnings.simplefilter("ignore", FutureWarning)
         joint = copy.deepcopy(gm)
-    forward, _ = min_cut_rematerialization_partition(
-        joint, None, num_fwd_outputs=num_forward_outputs(gm))
+    count = num_forward_outputs(gm)
+    forward, _ = min_cut_rematerialization_partition(joint, None, num_fwd_outputs=count)
     (output,) = forward.graph.find_nodes(op="output")
-    outputs = output.args[0]
-    return {o.name for o in outputs[num_forward_outputs(gm):] if isinstance(o, Node)}
+    return {o.name for o in output.args[0][count:] if isinstance(o, Node)}
 
 
 def num_forward_outputs(gm: GraphModule) -> int:
