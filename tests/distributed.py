@@ -8,6 +8,7 @@ moment (as a spawned process would), not the one the server started with."""
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import socket
 import traceback
@@ -55,6 +56,7 @@ def _worker(rank, world, port, env, fds, fn, args, errors):
     for fd, target in zip(fds, (1, 2), strict=True):  # print where a spawned rank would: the caller's
         os.dup2(fd, target)              # stdout and stderr (pytest's capture)
         os.close(fd)
+    faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGABRT) prints its stacks
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -92,6 +94,7 @@ def run_ranks(world: int, fn, *args) -> None:
     failures = []
     while not errors.empty():
         failures.append(errors.get())
-    if failures or any(p.exitcode != 0 for p in procs):
-        raise AssertionError("\n".join(failures) or
-                             f"exit codes {[p.exitcode for p in procs]}")
+    codes = [p.exitcode for p in procs]
+    if failures or any(code != 0 for code in codes):
+        # a negative code is the signal that killed that rank (-9: SIGKILL, e.g. out of memory)
+        raise AssertionError("\n".join([f"exit codes by rank {codes}", *failures]))
