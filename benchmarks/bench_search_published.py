@@ -35,9 +35,10 @@ ROW_KEYS = {"what": str, "source": str, "family": str, "model": (str, dict), "de
             "gpus": int, "global_batch": int, "seq_len": int, "precision": str,
             "published_tokens_per_s_per_gpu": (int, float), "layout": dict}
 """The fields of a [[run]] and their types (all required)."""
-OPTIONAL_KEYS = {"mtp_layers": int}
+OPTIONAL_KEYS = {"mtp_layers": int, "fsdp": bool}
 """Fields a [[run]] may set: `mtp_layers`, the multi-token-prediction modules the run trains
-(`Setting.mtp_layers`; default 0)."""
+(`Setting.mtp_layers`; default 0); `fsdp`, parameters and gradients sharded as FSDP / ZeRO-3
+shards them (`Setting.fsdp`; default false)."""
 LAYOUT_KEYS = {"tp", "pp", "vpp", "ep", "cp", "sequence_parallel", "zero1", "recompute",
                "schedule", "overlap", "bucket_mb", "mbs", "a2a_overlap"}
 """The fields a [run.layout] may set: Plan fields, `mbs` and `a2a_overlap`."""
@@ -56,7 +57,7 @@ def load_runs(path: Path | str = RUNS_FILE) -> list[dict]:
                 if key in ROW_KEYS:
                     raise ValueError(f"{path}: {name!r} misses {key!r}")
                 continue
-            if not isinstance(run[key], kind) or isinstance(run[key], bool):
+            if not isinstance(run[key], kind) or (isinstance(run[key], bool) and kind is not bool):
                 raise ValueError(f"{path}: {name!r}: {key} = {run[key]!r} has the wrong type")
         unknown = set(run) - set(ROW_KEYS) - set(OPTIONAL_KEYS) or set(run["layout"]) - LAYOUT_KEYS
         if unknown:
@@ -122,7 +123,8 @@ def predict_run(run: dict, library) -> dict:
     plan, mbs, dp = plan_of(run)
     setting = Setting(model_config(run, library), load_device(run["device"]), run["gpus"],
                       run["global_batch"], run["seq_len"], library,
-                      fp8=run["precision"] == "fp8", mtp_layers=run.get("mtp_layers", 0))
+                      fp8=run["precision"] == "fp8", mtp_layers=run.get("mtp_layers", 0),
+                      fsdp=run.get("fsdp", False))
     started = time.perf_counter()
     p = predict(setting, plan, mbs)
     published = run["published_tokens_per_s_per_gpu"]

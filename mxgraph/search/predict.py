@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from mxgraph.plan import Plan
 from mxgraph.runtime.precision import STATE_BYTES, holds_returned_grads
 from mxgraph.schedules import Costs
+from mxgraph.search.fsdp import fsdp_step, shard_memory
 from mxgraph.search.layer_cost import TRACED_EP, TraceKey
 from mxgraph.search.part_time import (
     LAYER_KINDS,
@@ -211,6 +212,8 @@ def rank_memory(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: 
                     "shards": element * owned if plan.zero1 and not state.master else 0.0,
                     "activations": per_mb * mbs * flight.get(rank, 1.0),
                     "transient": acts.transient * mbs})
+    if setting.fsdp:
+        return [shard_memory(plan, entry) for entry in out]
     return out
 
 
@@ -300,7 +303,10 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
                                min(hides[s]["BW"], per_stage[s]["F"]) for s in held if s in hides)
         pipeline_s = max(busy.values()) / max(1e-9, 1 - bubble)
     memory = rank_memory(setting, plan, costs, stages, ranks, mbs, exact)
-    _dp_s, dp_exposed = dp_reduction(setting, plan, memory, per_stage, ranks)
+    if setting.fsdp:  # parameters sharded too: gathered per unit, gradients scattered
+        _dp_s, dp_exposed = fsdp_step(setting, plan, memory, per_stage, ranks)
+    else:
+        _dp_s, dp_exposed = dp_reduction(setting, plan, memory, per_stage, ranks)
     optimizer_s = optimizer_time(setting, plan, memory, costs, stages, ranks)
     step_s = pipeline_s + dp_exposed + optimizer_s + device.step_overhead_s
     comm_in_graph = max(m * sum(sum(comm_by_program[s].values()) for s in held)

@@ -1,0 +1,76 @@
+"""FSDP / ZeRO-3 pricing for published runs (`Setting.fsdp`, mxgraph/search/fsdp.py):
+parameters and gradients sharded over dp plus two whole units, and the per-unit gathers
+and reduce-scatters against their theory (every collective counted, each hidden behind the
+compute of its micro-batch but the first gather and the last reduce-scatter)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import models
+from mxgraph.plan import Plan
+from mxgraph.runtime.precision import STATE_BYTES
+from mxgraph.search.fsdp import UNSHARDED_UNITS, fsdp_reduction
+from mxgraph.search.layer_cost import TraceCache
+from mxgraph.search.part_time import comm_time
+from mxgraph.search.predict import plan_costs, predict, rank_memory, rank_stages, stage_count, stage_parts
+from mxgraph.search.profiles import load_device
+from mxgraph.search.setting import Setting
+
+H100 = load_device("h100-sxm")
+UNIT_MB = 0.05
+CACHE = TraceCache(models)
+"""One trace of llama-tiny for every setting here."""
+
+
+def setting(fsdp: bool, device=H100, gpus: int = 4) -> Setting:
+    return Setting(models.preset_config("llama-tiny"), device, gpus, 2 * gpus, 64, models,
+                   fsdp=fsdp, cache=CACHE)
+
+
+def test_parameters_and_gradients_are_sharded_but_two_units():
+    plan = Plan(dp=4, zero1=True, bucket_mb=UNIT_MB)
+    whole = predict(setting(False), plan, 1)
+    sharded = predict(setting(True), plan, 1)
+    assert sharded.peak_memory_gib < whole.peak_memory_gib
+    for fsdp in (False, True):
+        s = setting(fsdp)
+        costs = plan_costs(s, plan, True)
+        stages = stage_parts(s, plan, stage_count(plan), costs)
+        (entry,) = rank_memory(s, plan, costs, stages, rank_stages(s, plan), 1, True)
+        if not fsdp:
+            params, grads = entry["params"], entry["grads"]
+            continue
+        unit = UNIT_MB * 2 ** 20
+        assert entry["params"] == pytest.approx(params / 4 + UNSHARDED_UNITS * unit, rel=1e-9)
+        assert entry["grads"] == pytest.approx(grads * (params / 4 + unit) / params, rel=1e-9)
+        assert entry["whole_params"] == params
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_collectives_against_theory(micro_batches):
+    plan = Plan(dp=4, zero1=True, bucket_mb=UNIT_MB, micro_batches=micro_batches)
+    s = setting(True)
+    unit, units = UNIT_MB * 2 ** 20, 10
+    widen = STATE_BYTES[s.precision].grads / STATE_BYTES[s.precision].params
+    gather = comm_time(s, plan, "dp", "all_gather", unit)
+    scatter = comm_time(s, plan, "dp", "reduce_scatter", unit * widen)
+    total, exposed = fsdp_reduction(s, plan, units * unit, 0.0, 0.0, 0.0)
+    m = micro_batches
+    assert total == pytest.approx(m * units * (2 * gather + scatter), rel=1e-9)
+    assert exposed == pytest.approx(total, rel=1e-9)  # no compute hides anything
+    _, hidden = fsdp_reduction(s, plan, units * unit, 0.0, 1e3, 1e3)
+    assert hidden == pytest.approx(m * (gather + scatter), rel=1e-9)  # first gather, last scatter
+    forward, backward = m * units * gather / 2, m * units * (gather + scatter) / 2
+    _, half = fsdp_reduction(s, plan, units * unit, 0.0, forward, backward)
+    assert half == pytest.approx(m * units * (gather + (gather + scatter)) / 2, rel=1e-9)
+
+
+def test_a_slow_link_between_nodes_exposes_the_gathers():
+    slow = dataclasses.replace(H100, inter_bw=1e6, gpus_per_node=2)
+    plan = Plan(dp=4, zero1=True, bucket_mb=UNIT_MB)
+    fast = predict(setting(True), plan, 1)
+    crawl = predict(setting(True, slow), plan, 1)
+    assert crawl.breakdown_s["grad_sync"] > 100 * fast.breakdown_s["grad_sync"]
+    assert sum(crawl.breakdown_s.values()) == pytest.approx(crawl.step_s, rel=1e-9)
