@@ -35,8 +35,8 @@ def shard_memory(plan: Plan, entry: dict) -> dict:
     params, experts = entry["params"], entry["experts"]
     sharded = (params - experts) / dp + experts / experts_dp
     unit = min(params, plan.bucket_mb * 2 ** 20)
-    whole = sharded + UNSHARDED_UNITS * unit
-    grads = entry["grads"] * (sharded + unit) / params if params else 0.0
+    whole = min(params, sharded + UNSHARDED_UNITS * unit)
+    grads = entry["grads"] * min(1.0, (sharded + unit) / params) if params else 0.0
     return {**entry, "params": whole, "experts": experts / experts_dp, "grads": grads,
             "whole_params": params, "whole_experts": experts}
 
