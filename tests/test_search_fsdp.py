@@ -74,3 +74,19 @@ def test_a_slow_link_between_nodes_exposes_the_gathers():
     crawl = predict(setting(True, slow), plan, 1)
     assert crawl.breakdown_s["grad_sync"] > 100 * fast.breakdown_s["grad_sync"]
     assert sum(crawl.breakdown_s.values()) == pytest.approx(crawl.step_s, rel=1e-9)
+
+
+def test_under_a_pipeline_units_stay_whole_and_sync_once_a_step():
+    plan = Plan(dp=2, pp=2, zero1=True, bucket_mb=UNIT_MB, micro_batches=4)
+    s = setting(True)
+    unit, units = UNIT_MB * 2 ** 20, 10
+    widen = STATE_BYTES[s.precision].grads / STATE_BYTES[s.precision].params
+    gather = comm_time(s, plan, "dp", "all_gather", unit)
+    scatter = comm_time(s, plan, "dp", "reduce_scatter", unit * widen)
+    total, exposed = fsdp_reduction(s, plan, units * unit, 0.0, 0.0, 0.0)
+    assert total == pytest.approx(units * (gather + scatter), rel=1e-9)
+    assert exposed == pytest.approx(total, rel=1e-9)
+    _, hidden = fsdp_reduction(s, plan, units * unit, 0.0, 4e3, 4e3)
+    assert hidden == pytest.approx(gather + scatter, rel=1e-9)
+    whole, sharded = (predict(setting(fsdp), plan, 1) for fsdp in (False, True))
+    assert sharded.peak_memory_gib == pytest.approx(whole.peak_memory_gib, rel=1e-9)

@@ -13,6 +13,13 @@ unit's gather), the backward what its gathers and reduce-scatters take beyond th
 compute (at least the last unit's reduce-scatter). Memory: parameters and gradients
 sharded over the data-parallel ranks (routed experts over those that hold the same
 experts), plus two units unsharded (the one computing and the one prefetched).
+
+Under pipeline parallelism (pp > 1) the units stay whole from their first forward to the
+step's end and their gradients are reduce-scattered once, after the last micro-batch
+(torchtitan's and AutoModel's FSDP2 with a pipeline: no reshard after forward, the gradient
+sync deferred to the last micro-batch): one gather and one reduce-scatter a step, hidden
+behind the first micro-batch's forward and the last one's backward, and the parameters and
+gradients whole in memory (the optimizer still sharded by the plan's `zero1`).
 """
 from __future__ import annotations
 
@@ -33,6 +40,8 @@ def shard_memory(plan: Plan, entry: dict) -> dict:
     dp = plan.dp or 1
     experts_dp = max(1, dp // plan.ep)
     params, experts = entry["params"], entry["experts"]
+    if plan.pp > 1:  # whole through the step (module docstring)
+        return {**entry, "whole_params": params, "whole_experts": experts}
     sharded = (params - experts) / dp + experts / experts_dp
     unit = min(params, plan.bucket_mb * 2 ** 20)
     whole = min(params, sharded + UNSHARDED_UNITS * unit)
@@ -67,6 +76,9 @@ def fsdp_reduction(setting: Setting, plan: Plan, params: float, experts: float,
         gather_one, scatter_one = max(gather_one, one_gather), max(scatter_one, one_scatter)
     if gather == 0.0:
         return 0.0, 0.0
+    if plan.pp > 1:  # once a step: gathered for the first micro-batch, scattered after the last
+        return gather + scatter, (max(gather_one, gather - forward_s / m) +
+                                  max(scatter_one, scatter - backward_s / m))
     total = m * (2 * gather + scatter)
     exposed = m * (max(gather_one, gather - forward_s / m) +
                    max(scatter_one, gather + scatter - backward_s / m))
