@@ -25,7 +25,8 @@ from mxgraph.runtime.checkpoint import disk
 from mxgraph.runtime.health import Guard, NonFiniteError
 from mxgraph.train import TrainConfig, train
 
-BASE = dict(steps=5, batch_size=4, seq_len=32, warmup=2, val_batches=1)
+BASE = dict(steps=5, batch_size=4, seq_len=32, warmup=2, val_batches=1,
+            model_config="n_layers=1")  # one layer: each run compiles
 
 
 def _scalar(value: float) -> torch.Tensor:

@@ -23,6 +23,6 @@ def _every_policy_on_ranks(rank, world, tmp):
                      checkpoints=name == "tp2")
 
 
-@pytest.mark.slow(seconds=80)  # measured on 2 cores
+@pytest.mark.slow(seconds=53)  # measured on 2 cores
 def test_drill_every_policy_under_dp2_and_tp2(tmp_path):
     run_ranks(2, _every_policy_on_ranks, str(tmp_path))

@@ -22,17 +22,18 @@ HF_LLAMA = ("hf:llama", ",".join(f"{k}={v}" for k, v in TINY["llama"].items()))
 COMMON = ["--steps", "2", "--batch-size", "4", "--seq-len", "32", "--val-batches", "1",
           "--no-progress"]
 MIXED = 'precision = "bf16-mixed"\n'
+LAYERS = "n_layers=2"  # two layers (one a pp stage; moe-tiny: its dense one and a MoE one)
 # (model, --model-config, plan file text, same batches as one process?)
-CASES = [("llama-tiny", "", "tp = 2\n", True),
-         ("llama-tiny", "", "tp = 2\nsequence_parallel = true\n", True),
-         ("llama-tiny", "", "cp = 2\n", True),
-         ("llama-tiny", "", "pp = 2\nmicro_batches = 2\n", True),
-         ("llama-tiny", "", "zero1 = true\n", False),
-         ("moe-tiny", "n_layers=2", "ep = 2\n", False),
+CASES = [("llama-tiny", LAYERS, "tp = 2\n", True),
+         ("llama-tiny", LAYERS, "tp = 2\nsequence_parallel = true\n", True),
+         ("llama-tiny", LAYERS, "cp = 2\n", True),
+         ("llama-tiny", LAYERS, "pp = 2\nmicro_batches = 2\n", True),
+         ("llama-tiny", LAYERS, "zero1 = true\n", False),
+         ("moe-tiny", LAYERS, "ep = 2\n", False),
          (*HF_LLAMA, "tp = 2\n", True),
-         ("llama-tiny", "", f"tp = 2\nsequence_parallel = true\noverlap = true\n{MIXED}", True),
-         ("llama-tiny", "", f"pp = 2\nmicro_batches = 2\n{MIXED}", True),
-         ("moe-tiny", "n_layers=2", f"ep = 2\nzero1 = true\n{MIXED}", False)]
+         ("llama-tiny", LAYERS, f"tp = 2\nsequence_parallel = true\noverlap = true\n{MIXED}", True),
+         ("llama-tiny", LAYERS, f"pp = 2\nmicro_batches = 2\n{MIXED}", True),
+         ("moe-tiny", LAYERS, f"ep = 2\nzero1 = true\n{MIXED}", False)]
 LOSS_TOL = 2e-3
 """Validation losses, absolute, as printed (4 decimals): TP, CP and the pipeline sum in
 another order than one process, over 2 AdamW steps; under bf16-mixed the one-process

@@ -5,7 +5,8 @@
 
 Each `Kill` fires once, in order, a random 0-`jitter_s` seconds after the log first reports
 a checkpoint (taken or skipped) of step `after_checkpoint` or later (so at a random step
-after it): "worker"
+after it; a kill after a worker's waits for the restart's log line, and for a later
+checkpoint if its victim is not alive then): "worker"
 SIGKILLs a random worker of the torchrun agent, "saver" the node's saver process. The
 result holds the exit status, the whole output, the kills done (with the step they
 followed) and the time each restart reported lost. Also a script:
@@ -107,22 +108,30 @@ def run_drill(train_args: list[str], *, kills: list[Kill], run_id: str, seed: in
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines, killed, pending = [], [], list(kills)
+    restarting = False  # a worker was killed, its attempt's restart not yet logged
     timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
     timer.start()
     try:
         for line in proc.stdout:
             lines.append(line)
+            restarting = restarting and not RESTART.search(line)
             match = CHECKPOINT.search(line)
             # at or after: a checkpoint right after a saver's death may be skipped or
-            # logged past the step a kill waits for, and the later kills must still fire
-            if not (match and pending and int(match.group(1)) >= pending[0].after_checkpoint):
+            # logged past the step a kill waits for, and the later kills must still fire;
+            # not on the lines the killed attempt wrote before it died (fast steps log
+            # several checkpoints within a kill's delay): each kill hits a running attempt
+            if restarting or not (match and pending
+                                  and int(match.group(1)) >= pending[0].after_checkpoint):
                 continue
-            kill = pending.pop(0)
+            kill = pending[0]
             time.sleep(rng.uniform(0, jitter_s))
             pid = _victim(kill.target, proc.pid, run_id, rng)
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                killed.append((kill.target, pid, kill.after_checkpoint))
+            if pid is None:  # none alive now (workers or saver starting): the next checkpoint
+                continue
+            pending.pop(0)
+            os.kill(pid, signal.SIGKILL)
+            killed.append((kill.target, pid, kill.after_checkpoint))
+            restarting = kill.target == "worker"
         proc.wait()
     finally:
         timer.cancel()
