@@ -74,7 +74,7 @@ def test_guard_loss_spike_against_the_running_median():
 def _drill(monkeypatch, nan: str = "", drop: str = "", **cfg) -> dict:
     monkeypatch.setenv("MXGRAPH_DRILL_NAN", nan)
     monkeypatch.setenv("MXGRAPH_DRILL_DROP", drop)
-    return train(TrainConfig(**BASE, **cfg), progress=False)
+    return train(TrainConfig(**{**BASE, **cfg}), progress=False)
 
 
 def _same(run: dict, reference: dict) -> None:

@@ -37,11 +37,11 @@ UNSHARDED_UNITS = 2
 def shard_memory(plan: Plan, entry: dict) -> dict:
     """A `predict.rank_memory` entry with FSDP's sharded parameters and gradients; the
     whole ones kept as "whole_params" and "whole_experts" (what the collectives move)."""
-    dp = plan.dp or 1
-    experts_dp = max(1, dp // plan.ep)
     params, experts = entry["params"], entry["experts"]
     if plan.pp > 1:  # whole through the step (module docstring)
         return {**entry, "whole_params": params, "whole_experts": experts}
+    dp = plan.dp or 1
+    experts_dp = max(1, dp // plan.ep)
     sharded = (params - experts) / dp + experts / experts_dp
     unit = min(params, plan.bucket_mb * 2 ** 20)
     whole = min(params, sharded + UNSHARDED_UNITS * unit)
