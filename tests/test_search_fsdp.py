@@ -20,6 +20,8 @@ from mxgraph.search.setting import Setting
 
 H100 = load_device("h100-sxm")
 UNIT_MB = 0.05
+UNIT, UNITS = UNIT_MB * 2 ** 20, 10
+"""A unit's bytes; the units of the parameters the collective tests hand fsdp_reduction."""
 CACHE = TraceCache(models)
 """One trace of llama-tiny for every setting here."""
 
@@ -27,6 +29,14 @@ CACHE = TraceCache(models)
 def setting(fsdp: bool, device=H100, gpus: int = 4) -> Setting:
     return Setting(models.preset_config("llama-tiny"), device, gpus, 2 * gpus, 64, models,
                    fsdp=fsdp, cache=CACHE)
+
+
+def unit_times(s: Setting, plan: Plan) -> tuple[float, float]:
+    """Seconds of one unit's all-gather (bf16 parameters) and reduce-scatter (gradients in
+    the precision's gradient dtype) over dp."""
+    widen = STATE_BYTES[s.precision].grads / STATE_BYTES[s.precision].params
+    return (comm_time(s, plan, "dp", "all_gather", UNIT),
+            comm_time(s, plan, "dp", "reduce_scatter", UNIT * widen))
 
 
 def test_parameters_and_gradients_are_sharded_but_two_units():
@@ -42,9 +52,8 @@ def test_parameters_and_gradients_are_sharded_but_two_units():
         if not fsdp:
             params, grads = entry["params"], entry["grads"]
             continue
-        unit = UNIT_MB * 2 ** 20
-        assert entry["params"] == pytest.approx(params / 4 + UNSHARDED_UNITS * unit, rel=1e-9)
-        assert entry["grads"] == pytest.approx(grads * (params / 4 + unit) / params, rel=1e-9)
+        assert entry["params"] == pytest.approx(params / 4 + UNSHARDED_UNITS * UNIT, rel=1e-9)
+        assert entry["grads"] == pytest.approx(grads * (params / 4 + UNIT) / params, rel=1e-9)
         assert entry["whole_params"] == params
 
 
@@ -52,19 +61,16 @@ def test_parameters_and_gradients_are_sharded_but_two_units():
 def test_collectives_against_theory(micro_batches):
     plan = Plan(dp=4, zero1=True, bucket_mb=UNIT_MB, micro_batches=micro_batches)
     s = setting(True)
-    unit, units = UNIT_MB * 2 ** 20, 10
-    widen = STATE_BYTES[s.precision].grads / STATE_BYTES[s.precision].params
-    gather = comm_time(s, plan, "dp", "all_gather", unit)
-    scatter = comm_time(s, plan, "dp", "reduce_scatter", unit * widen)
-    total, exposed = fsdp_reduction(s, plan, units * unit, 0.0, 0.0, 0.0)
+    gather, scatter = unit_times(s, plan)
+    total, exposed = fsdp_reduction(s, plan, UNITS * UNIT, 0.0, 0.0, 0.0)
     m = micro_batches
-    assert total == pytest.approx(m * units * (2 * gather + scatter), rel=1e-9)
+    assert total == pytest.approx(m * UNITS * (2 * gather + scatter), rel=1e-9)
     assert exposed == pytest.approx(total, rel=1e-9)  # no compute hides anything
-    _, hidden = fsdp_reduction(s, plan, units * unit, 0.0, 1e3, 1e3)
+    _, hidden = fsdp_reduction(s, plan, UNITS * UNIT, 0.0, 1e3, 1e3)
     assert hidden == pytest.approx(m * (gather + scatter), rel=1e-9)  # first gather, last scatter
-    forward, backward = m * units * gather / 2, m * units * (gather + scatter) / 2
-    _, half = fsdp_reduction(s, plan, units * unit, 0.0, forward, backward)
-    assert half == pytest.approx(m * units * (gather + (gather + scatter)) / 2, rel=1e-9)
+    forward, backward = m * UNITS * gather / 2, m * UNITS * (gather + scatter) / 2
+    _, half = fsdp_reduction(s, plan, UNITS * UNIT, 0.0, forward, backward)
+    assert half == pytest.approx(m * UNITS * (gather + (gather + scatter)) / 2, rel=1e-9)
 
 
 def test_a_slow_link_between_nodes_exposes_the_gathers():
@@ -79,14 +85,11 @@ def test_a_slow_link_between_nodes_exposes_the_gathers():
 def test_under_a_pipeline_units_stay_whole_and_sync_once_a_step():
     plan = Plan(dp=2, pp=2, zero1=True, bucket_mb=UNIT_MB, micro_batches=4)
     s = setting(True)
-    unit, units = UNIT_MB * 2 ** 20, 10
-    widen = STATE_BYTES[s.precision].grads / STATE_BYTES[s.precision].params
-    gather = comm_time(s, plan, "dp", "all_gather", unit)
-    scatter = comm_time(s, plan, "dp", "reduce_scatter", unit * widen)
-    total, exposed = fsdp_reduction(s, plan, units * unit, 0.0, 0.0, 0.0)
-    assert total == pytest.approx(units * (gather + scatter), rel=1e-9)
+    gather, scatter = unit_times(s, plan)
+    total, exposed = fsdp_reduction(s, plan, UNITS * UNIT, 0.0, 0.0, 0.0)
+    assert total == pytest.approx(UNITS * (gather + scatter), rel=1e-9)
     assert exposed == pytest.approx(total, rel=1e-9)
-    _, hidden = fsdp_reduction(s, plan, units * unit, 0.0, 4e3, 4e3)
+    _, hidden = fsdp_reduction(s, plan, UNITS * UNIT, 0.0, 4e3, 4e3)
     assert hidden == pytest.approx(gather + scatter, rel=1e-9)
     whole, sharded = (predict(setting(fsdp), plan, 1) for fsdp in (False, True))
     assert sharded.peak_memory_gib == pytest.approx(whole.peak_memory_gib, rel=1e-9)

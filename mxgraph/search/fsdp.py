@@ -34,6 +34,20 @@ UNSHARDED_UNITS = 2
 """Units whose parameters are whole at once: the one computing, the one prefetched."""
 
 
+def reduction_groups(plan: Plan, params: float, experts: float) -> list[tuple[str, float]]:
+    """(axis, bytes) of the data-parallel reductions of a rank holding `params` bytes of
+    parameters, `experts` of them routed experts': the experts' over the ranks that hold the
+    same experts ("edp": dp / ep), the others' over all of dp ("dp"); "_cp" appended under
+    context parallelism (the gradients reduce over cp too). A group of one rank is left out."""
+    dp = plan.dp or 1
+    groups = []
+    for axis, nbytes, size in (("dp", params - experts, dp),
+                               ("edp", experts, max(1, dp // plan.ep))):
+        if nbytes > 0 and size * plan.cp > 1:
+            groups.append((axis + "_cp" if plan.cp > 1 else axis, nbytes))
+    return groups
+
+
 def shard_memory(plan: Plan, entry: dict) -> dict:
     """A `predict.rank_memory` entry with FSDP's sharded parameters and gradients; the
     whole ones kept as "whole_params" and "whole_experts" (what the collectives move)."""
@@ -55,18 +69,12 @@ def fsdp_reduction(setting: Setting, plan: Plan, params: float, experts: float,
     """(seconds, exposed seconds) of one step's FSDP collectives on the busiest pipeline
     rank: `params` and `experts` its whole (unsharded) parameter bytes and routed experts'
     share, `forward_s` and `backward_s` its compute a step (every micro-batch)."""
-    dp = plan.dp or 1
     m = plan.micro_batches
     state = STATE_BYTES[plan.precision or setting.precision]
     widen = state.grads / state.params  # gradients reduce in the precision's gradient dtype
     unit = plan.bucket_mb * 2 ** 20
     gather = scatter = gather_one = scatter_one = 0.0
-    for axis, size, nbytes in (("dp", dp, params - experts),
-                               ("edp", max(1, dp // plan.ep), experts)):
-        if nbytes <= 0 or size * plan.cp == 1:
-            continue
-        if plan.cp > 1:
-            axis += "_cp"
+    for axis, nbytes in reduction_groups(plan, params, experts):
         piece = min(unit, nbytes)
         units = max(1, math.ceil(nbytes / piece))
         one_gather = comm_time(setting, plan, axis, "all_gather", piece)

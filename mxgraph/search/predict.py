@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from mxgraph.plan import Plan
 from mxgraph.runtime.precision import STATE_BYTES, holds_returned_grads
 from mxgraph.schedules import Costs
-from mxgraph.search.fsdp import fsdp_step, shard_memory
+from mxgraph.search.fsdp import fsdp_step, reduction_groups, shard_memory
 from mxgraph.search.layer_cost import TRACED_EP, TraceKey
 from mxgraph.search.part_time import (
     LAYER_KINDS,
@@ -417,14 +417,7 @@ def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: di
     total = {kind: 0.0 for kind in kinds}
     one = dict(total)
     buckets = 0
-    # the routed experts' gradients are reduced over the data-parallel ranks that hold the
-    # same experts (dp / ep), the others' over all of dp
-    for axis, grads, size in (("dp", worst["params"] - worst["experts"], dp),
-                              ("edp", worst["experts"], max(1, dp // plan.ep))):
-        if grads <= 0 or size * plan.cp == 1:
-            continue
-        if plan.cp > 1:
-            axis += "_cp"
+    for axis, grads in reduction_groups(plan, worst["params"], worst["experts"]):
         for kind in kinds:
             one[kind] = comm_time(setting, plan, axis, kind, min(bucket, grads) * widen[kind])
             total[kind] += one[kind] * (grads / min(bucket, grads))

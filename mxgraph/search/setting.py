@@ -37,8 +37,9 @@ class Setting:
     """Parameters and gradients sharded over the data-parallel ranks as FSDP / ZeRO-3 shard
     them (PyTorch FSDP's FULL_SHARD, FSDP2), each unit of `Plan.bucket_mb` bytes gathered
     before its forward and its backward and its gradients reduce-scattered, per micro-batch
-    (`search/fsdp.py`); the plan's `zero1` shards the optimizer as before. mxgraph's runtime
-    shards the optimizer only: this prices published FSDP runs, it is not a plan field."""
+    (under pp > 1 once a step, the units whole through it: `search/fsdp.py`); the plan's
+    `zero1` shards the optimizer as before. mxgraph's runtime shards the optimizer only:
+    this prices published FSDP runs, it is not a plan field."""
     cache: TraceCache = None
     memory: dict = field(default_factory=dict)
     flights: dict = field(default_factory=dict)
