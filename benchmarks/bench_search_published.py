@@ -35,10 +35,11 @@ ROW_KEYS = {"what": str, "source": str, "family": str, "model": (str, dict), "de
             "gpus": int, "global_batch": int, "seq_len": int, "precision": str,
             "published_tokens_per_s_per_gpu": (int, float), "layout": dict}
 """The fields of a [[run]] and their types (all required)."""
-OPTIONAL_KEYS = {"mtp_layers": int, "fsdp": bool}
+OPTIONAL_KEYS = {"mtp_layers": int, "fsdp": bool, "node_dispatch": bool}
 """Fields a [[run]] may set: `mtp_layers`, the multi-token-prediction modules the run trains
 (`Setting.mtp_layers`; default 0); `fsdp`, parameters and gradients sharded as FSDP / ZeRO-3
-shards them (`Setting.fsdp`; default false)."""
+shards them (`Setting.fsdp`; default false); `node_dispatch`, the expert all-to-all sends a
+token once per node (DeepEP; `Setting.node_dispatch`; default false)."""
 LAYOUT_KEYS = {"tp", "pp", "vpp", "ep", "cp", "sequence_parallel", "zero1", "recompute",
                "schedule", "overlap", "bucket_mb", "mbs", "a2a_overlap"}
 """The fields a [run.layout] may set: Plan fields, `mbs` and `a2a_overlap`."""
@@ -124,7 +125,8 @@ def predict_run(run: dict, library) -> dict:
     setting = Setting(model_config(run, library), load_device(run["device"]), run["gpus"],
                       run["global_batch"], run["seq_len"], library,
                       fp8=run["precision"] == "fp8", mtp_layers=run.get("mtp_layers", 0),
-                      fsdp=run.get("fsdp", False))
+                      fsdp=run.get("fsdp", False),
+                      node_dispatch=run.get("node_dispatch", False))
     started = time.perf_counter()
     p = predict(setting, plan, mbs)
     published = run["published_tokens_per_s_per_gpu"]

@@ -209,12 +209,13 @@ class Plan:
     def codegen_for(self, device_type: str) -> str:
         """"python" or "inductor" for programs on a device of `device_type` ("cpu", "cuda",
         ...): `codegen`, with "auto" Inductor where `inductor_generates_for(device_type)`,
-        or what the environment's MXGRAPH_CODEGEN ("python" or "inductor") says (to run a
-        whole test suite or a script under one codegen without changing its plans)."""
+        or what the environment's MXGRAPH_CODEGEN ("python" or "inductor"; empty counts as
+        unset) says (to run a whole test suite or a script under one codegen without changing
+        its plans)."""
         if self.codegen != "auto":
             return self.codegen
         chosen = os.environ.get("MXGRAPH_CODEGEN")
-        if chosen is not None:
+        if chosen:
             _check_choice("MXGRAPH_CODEGEN", chosen, CODEGENS[1:])
             return chosen
         return "inductor" if inductor_generates_for(device_type) else "python"

@@ -109,6 +109,8 @@ def test_the_environment_chooses_what_auto_means(monkeypatch):
     monkeypatch.setenv("MXGRAPH_CODEGEN", "triton")
     with pytest.raises(mx.PlanError, match="MXGRAPH_CODEGEN: 'triton' is unknown; choose from python, inductor"):
         mx.Plan().codegen_for("cpu")
+    monkeypatch.setenv("MXGRAPH_CODEGEN", "")  # `MXGRAPH_CODEGEN= cmd` unsets the choice
+    assert mx.Plan().codegen_for("mps") == "python"
 
 
 def _tp2_sp_under_inductor(rank, world):

@@ -1,12 +1,13 @@
 """codegen/segments.py: where a program's graph is cut for Inductor, on hand-built graphs
 (no compile): callbacks between segments in their order, a pause before each collective wait
 under a pausing schedule, no more than MAX_CUTS cuts for announcements and needs (each
-announcement after the segment computing its value), and the segments computing, bitwise,
+announcement after the segment computing its value; with buckets known, a bucket's last
+announcement on time and the cuts only there), and the segments computing, bitwise,
 what the whole graph computes."""
 import torch
 from torch.fx import Graph, GraphModule
 
-from mxgraph.codegen.segments import CALLBACK, MAX_CUTS, PAUSE, Segment, cut
+from mxgraph.codegen.segments import BUCKET, CALLBACK, MAX_CUTS, PAUSE, Segment, cut
 
 aten = torch.ops.aten
 
@@ -73,6 +74,23 @@ def test_many_announcements_move_later_and_needs_earlier():
                 if call.meta[CALLBACK] == "announce":
                     assert any(call.args[1] in s.outputs for s in seen), call
     assert sorted(c for p in plan if isinstance(p, list) for c in p) == sorted(calls)
+
+
+def test_a_buckets_last_announcement_is_on_time():
+    # 3 buckets of 4 announcements each, after ops 0..11: a cut right after each bucket's
+    # last gradient (ops 3, 7, 11), every announcement of a bucket called there together
+    marks = {i: "announce" for i in range(12)}
+    gm, calls = _chain(13, marks)
+    for call in calls:
+        call.meta[BUCKET] = call.args[0] // 4
+    plan = cut(gm)
+    assert _kinds(plan) == ["segment", ["announce"] * 4] * 3 + ["segment"]
+    for i, bucket in enumerate(p for p in plan if isinstance(p, list)):
+        assert [c.args[0] for c in bucket] == [4 * i + k for k in range(4)]
+    # without buckets, the same announcements are spread over MAX_CUTS cuts
+    for call in calls:
+        del call.meta[BUCKET]
+    assert sum(isinstance(p, list) for p in cut(gm)) == MAX_CUTS
 
 
 def test_segments_compute_what_the_whole_graph_computes():

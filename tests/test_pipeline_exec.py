@@ -3,7 +3,9 @@
 Each rank builds the same model (same seed), runs the compiled step on its share, and
 compares the loss and the gradients of the parameters it owns with eager autograd on
 the whole global batch (accumulated over the same micro-batches). Tolerances: loss 1e-5
-relative, gradients 1e-4 relative (fp32), parameters after 3 AdamW steps 1e-4.
+relative, gradients 1e-4 relative (fp32), parameters after 3 AdamW steps 1e-4 (gradients
+after the first step and parameters 4x wider under MXGRAPH_CODEGEN=inductor:
+`tests.helpers.drift_tol`).
 """
 import copy
 import functools
@@ -14,7 +16,7 @@ import torch
 import models
 import mxgraph as mx
 from tests.distributed import run_ranks
-from tests.helpers import rel_err
+from tests.helpers import drift_tol, rel_err
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4
 
@@ -107,12 +109,13 @@ def check_plan(rank, world, model_name, plan_kwargs, steps=3, batch_size=8, seq_
         else:
             assert_like_reference(((n, p.grad, ref_params[n].grad, p)
                                    for n, p in step.named_parameters() if p.requires_grad),
-                                  step, largest_norm(reference, "grad"), GRAD_TOL, f"step {i} grad")
+                                  step, largest_norm(reference, "grad"), drift_tol(GRAD_TOL, i),
+                                  f"step {i} grad")
         opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
     step.sync_parameters()  # zero1: the last update is in the shards
     ref_params = dict(reference.named_parameters())
     assert_like_reference(((n, p, ref_params[n], p) for n, p in step.model_parameters()), step,
-                          largest_norm(reference), GRAD_TOL, f"after {steps} steps")
+                          largest_norm(reference), drift_tol(GRAD_TOL, steps), f"after {steps} steps")
 
 
 SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("dualpipev", 1)]

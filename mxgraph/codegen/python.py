@@ -14,7 +14,7 @@ from itertools import count
 import torch
 
 from mxgraph.codegen import inductor
-from mxgraph.codegen.segments import CALLBACK
+from mxgraph.codegen.segments import BUCKET, CALLBACK
 from mxgraph.runtime.pipeline.programs import Program, StagePrograms
 
 _module_ids = count()
@@ -88,7 +88,10 @@ def _announce_calls(program: Program) -> None:
         if node is None or node.op != "call_function":
             continue
         with graph.inserting_after(node):
-            graph.call_function(announce, (index, node)).meta[CALLBACK] = "announce"
+            call = graph.call_function(announce, (index, node))
+        call.meta[CALLBACK] = "announce"
+        if program.announce_buckets:
+            call.meta[BUCKET] = program.announce_buckets[index]
 
 
 def _need_calls(program: Program) -> None:

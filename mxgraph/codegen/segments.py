@@ -16,7 +16,9 @@ the compute between them). Announcements and needs are many (one per parameter) 
 need to happen in time, so at most `MAX_CUTS` of them are cuts, spread evenly; the others
 move to a neighbouring cut on the safe side: an announcement to the next cut (its value
 exists by then; the bucket starts a little later), a need to the previous one (the
-parameter is awaited a little earlier).
+parameter is awaited a little earlier). Where the announcements carry their bucket
+(`BUCKET`), only the last of each bucket's in the program is a candidate cut: a bucket
+starts once its last gradient is in, so the others may move to it without delaying it.
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ CALLBACK = "mxgraph_callback"
 
 MAX_CUTS = 6
 """Cuts at announcements and needs per program (timing points are always cuts)."""
+
+BUCKET = "mxgraph_bucket"
+"""`node.meta[BUCKET]`: the data-parallel bucket of an "announce" callback, where known."""
 
 
 @dataclass
@@ -87,7 +92,14 @@ def cut(gm: GraphModule, pauses: bool = False) -> list[Segment | list[Node] | st
 def _gaps(position: dict[Node, int], num_compute: int) -> list[int]:
     """The cut positions: every timing point's, and at most MAX_CUTS of the others'."""
     points = {at for node, at in position.items() if node.meta[CALLBACK] == "point"}
-    others = sorted({at for node, at in position.items() if node.meta[CALLBACK] != "point"})
+    bucket_ends: dict[int, int] = {}  # bucket -> the position of its last announcement
+    for node, at in position.items():
+        if BUCKET in node.meta:
+            bucket_ends[node.meta[BUCKET]] = max(at, bucket_ends.get(node.meta[BUCKET], at))
+    others = sorted({at for node, at in position.items()
+                     if node.meta[CALLBACK] == "need" or
+                     (node.meta[CALLBACK] == "announce" and BUCKET not in node.meta)}
+                    | set(bucket_ends.values()))
     if len(others) > MAX_CUTS:
         others = [others[round(i * (len(others) - 1) / (MAX_CUTS - 1))] for i in range(MAX_CUTS)]
     return sorted(points | set(others) | {0, num_compute})

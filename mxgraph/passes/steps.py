@@ -22,6 +22,7 @@ from mxgraph.joint import JointGraph, build_joint
 from mxgraph.passes.split_bw import split_bw
 from mxgraph.passes.split_stages import StageGraph, split_stages
 from mxgraph.runtime.cluster.mesh import Mesh
+from mxgraph.runtime.data_parallel.buckets import bucket_layout
 from mxgraph.runtime.param_layout import ParamLayout, materialize
 from mxgraph.runtime.pipeline.executor import PipelineExecutor, StageRuntime
 from mxgraph.runtime.pipeline.programs import Program, StagePrograms
@@ -161,8 +162,10 @@ def codegen_step(c: Compilation, ctx: CompileContext):
             grads = {node for _, node in programs.param_grads}
             params = {n for n, slot in zip(programs.placeholders, joint_slots(c, stage), strict=True)
                       if slot.kind == "param"} if ctx.plan.zero1 else set()
+            bucket_of = _grad_buckets(c, ctx, programs)
             for _, program in programs.all():
                 program.announce = tuple(n for n in program.outputs if n in grads)
+                program.announce_buckets = tuple(bucket_of[n] for n in program.announce)
                 program.needs = tuple(n for n in program.inputs if n in params)
     c.source = generate(c.programs, ctx.plan, ctx.dump_dir)
     runtimes = {}
@@ -183,6 +186,20 @@ def codegen_step(c: Compilation, ctx: CompileContext):
                                   _shared_parameters(c), loss_meta=last.meta["val"],
                                   p2p_ahead=bool(ctx.plan.overlap and ctx.plan.overlap.p2p))
     return _program_graphs(c)
+
+
+def _grad_buckets(c: Compilation, ctx: CompileContext, programs: StagePrograms) -> dict:
+    """Gradient node -> the index of its data-parallel bucket, as the step will lay the
+    buckets out (`bucket_layout` over the parameters this rank's stages read), for the
+    codegen's choice of where to call back (`Program.announce_buckets`)."""
+    names = {slot.key for stage in c.programs for slot in joint_slots(c, stage)
+             if slot.kind == "param"}
+    by_name = dict(c.model.named_parameters(remove_duplicate=False))
+    held = {id(by_name[n]) for n in names if n in by_name}
+    buckets = bucket_layout([(n, p) for n, p in c.model.named_parameters() if id(p) in held],
+                            c.layouts, ctx.plan, c.mesh)
+    index = {id(p): i for i, bucket in enumerate(buckets) for p in bucket.params}
+    return {node: index.get(id(by_name.get(name)), -1) for name, node in programs.param_grads}
 
 
 def joint_slots(c: Compilation, stage: int) -> list:

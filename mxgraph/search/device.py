@@ -209,11 +209,14 @@ class DeviceProfile:
     # ---- collectives ---------------------------------------------------------------------
     def collective_time(self, kind: str, nbytes: float, group_size: int,
                         spans_nodes: bool, ranks_sending: int | None = None,
-                        ranks_per_node: int = 1) -> float:
+                        ranks_per_node: int = 1, leaves_node: float | None = None) -> float:
         """Seconds for one collective of `nbytes` (full tensor) over `group_size` ranks;
         `ranks_sending`: ranks of one node sending at once (shared links), default all;
         `ranks_per_node`: ranks of the group in each node when it spans nodes, each with
-        its own NIC (`inter_node_bandwidth`)."""
+        its own NIC (`inter_node_bandwidth`); `leaves_node`: an all-to-all's share of
+        `nbytes` that leaves the node when not (n - local) / n, that of uniform
+        destinations (a dispatcher sending a token once per node: `node_dispatch_share`),
+        the rest then forwarded over the intra-node link."""
         if group_size <= 1 and kind != "send":
             return 0.0
         fit = self._fit(kind, group_size, spans_nodes)
@@ -229,9 +232,11 @@ class DeviceProfile:
             else:
                 latency = (nodes - 1) * self.inter_latency_s + (n - nodes) * self.intra_latency_s
             if kind == "all_to_all":  # each rank's own NIC carries what leaves its node
-                return latency + max((n - local) / n * nbytes / self.inter_bw,
-                                     (local - 1) / n * nbytes / self.intra_bw
-                                     ) / self.comm_efficiency
+                leaving, inside = (n - local) / n, (local - 1) / n
+                if leaves_node is not None:  # one copy a node, forwarded to its experts there
+                    leaving, inside = leaves_node, (n - 1) / n
+                return latency + max(leaving * nbytes / self.inter_bw,
+                                     inside * nbytes / self.intra_bw) / self.comm_efficiency
             bw = self.inter_node_bandwidth(local)
             return latency + factor * nbytes / (bw * self.comm_efficiency)
         bw, alpha = self.intra_bw, self.intra_latency_s

@@ -32,8 +32,28 @@ def comm_time(setting: Setting, plan: Plan, axis: str, kind: str, nbytes: float)
     spans = size * stride > per_node if kind != "send" else stride >= per_node
     sending = min(setting.gpus, per_node)
     local = max(1, min(size, per_node // stride)) if kind != "send" else 1
+    leaves = None
+    if setting.node_dispatch and axis == "ep" and kind == "all_to_all" and spans:
+        leaves = node_dispatch_share(setting.config, size, local)
     return setting.device.collective_time(kind, nbytes, size if kind != "send" else 2, spans,
-                                          sending, local)
+                                          sending, local, leaves)
+
+
+def node_dispatch_share(config, ep: int, local: int) -> float:
+    """The share of an expert-parallel dispatch's bytes (one copy per chosen expert: what
+    the traced all-to-all moves) that leaves a rank's node when the dispatcher sends each
+    token once to every other node that holds one of its experts (`Setting.node_dispatch`).
+    With routing uniform over the experts, a token's `topk` experts fall on
+    M (1 - (1 - 1/M)^topk) distinct nodes of the M it may reach: the ep group's
+    N = ep / local nodes, or at most `topk_groups` of them where group-limited routing
+    keeps whole groups in a node (N divides `n_groups`). (N - 1) / N of those nodes are
+    remote, each sent one copy of the `topk` the traced bytes hold."""
+    topk = config.topk
+    nodes = max(1, ep // local)
+    groups, chosen = getattr(config, "n_groups", 1), getattr(config, "topk_groups", 1)
+    reach = min(nodes, chosen) if chosen < groups and groups % nodes == 0 else nodes
+    distinct = reach * (1 - (1 - 1 / reach) ** topk)
+    return distinct * (nodes - 1) / nodes / topk
 
 
 def hidden_share(plan: Plan, axis: str, kind: str) -> float:
@@ -61,7 +81,7 @@ def part_times(setting: Setting, plan: Plan, costs, kind: str, program: str,
     (`kernel_times`) and "comm", its exposed collectives."""
     part = costs.part(kind, program)
     cache_key = (id(costs), kind, program, mbs, plan.tp, plan.cp, plan.ep, plan.pp,
-                 plan.dp, repr(plan.overlap), plan.moe.a2a_overlap)
+                 plan.dp, repr(plan.overlap), plan.moe.a2a_overlap)  # setting's fields fixed
     if cache_key in setting.part_times:
         return setting.part_times[cache_key]
     times = kernel_times(setting.device, part, mbs, fp8=setting.fp8 and kind in LAYER_KINDS)

@@ -40,6 +40,13 @@ class Setting:
     (under pp > 1 once a step, the units whole through it: `search/fsdp.py`); the plan's
     `zero1` shards the optimizer as before. mxgraph's runtime shards the optimizer only:
     this prices published FSDP runs, it is not a plan field."""
+    node_dispatch: bool = False
+    """The expert-parallel all-to-all sends a token once to each other node that holds one
+    of its experts, where it is forwarded over the intra-node link to those experts
+    (DeepEP's normal kernels, DeepSeek-V3's own dispatch): with group-limited routing that
+    keeps whole expert groups in a node, to at most `topk_groups` nodes. Priced by
+    `part_time.node_dispatch_share`. mxgraph's dispatcher sends one copy per expert: this
+    prices published runs that used such a dispatcher, it is not a plan field."""
     cache: TraceCache = None
     memory: dict = field(default_factory=dict)
     flights: dict = field(default_factory=dict)

@@ -52,6 +52,10 @@ class Program:
     """The generated Python source (codegen)."""
     announce: tuple[Node, ...] = ()
     """Outputs whose values go to `on_ready` as soon as they are computed."""
+    announce_buckets: tuple[int, ...] = ()
+    """The data-parallel bucket of each `announce` entry (() when unknown): a bucket starts
+    once its last gradient is in, so a codegen that batches the announcements
+    (`codegen/segments.py`) keeps those last ones on time."""
     on_ready: object = None
     """`on_ready(node, value)`, set by the executor for the run at hand; None: silent."""
 
