@@ -81,7 +81,7 @@ def part_times(setting: Setting, plan: Plan, costs, kind: str, program: str,
     (`kernel_times`) and "comm", its exposed collectives."""
     part = costs.part(kind, program)
     cache_key = (id(costs), kind, program, mbs, plan.tp, plan.cp, plan.ep, plan.pp,
-                 plan.dp, repr(plan.overlap), plan.moe.a2a_overlap)  # setting's fields fixed
+                 plan.dp, repr(plan.overlap), plan.moe.a2a_overlap)  # a Setting fixes fp8 and node_dispatch
     if cache_key in setting.part_times:
         return setting.part_times[cache_key]
     times = kernel_times(setting.device, part, mbs, fp8=setting.fp8 and kind in LAYER_KINDS)
