@@ -69,11 +69,12 @@ def _boxed(gm, example_inputs):
     return make_boxed_func(gm.forward)
 
 
-def _lowered(gm, example_inputs, *, title: str):
+def _lowered(gm, example_inputs, *, title: str, backward: bool):
     """Inductor as the forward or backward compiler, through codegen's lowering
-    (`codegen/inductor.py`); a graph Inductor refuses runs as fx code, loudly."""
+    (`codegen/inductor.py`); a graph Inductor refuses runs as fx code, loudly. A backward
+    is compiled as one: it may write over the saved values AOTAutograd donates to it."""
     try:
-        fn, _ = inductor.compile_graph(gm, list(example_inputs))
+        fn, _ = inductor.compile_graph(gm, list(example_inputs), backward=backward)
     except inductor.NotLowered as reason:
         inductor.fall_back(title, reason)
         return _boxed(gm, example_inputs)
@@ -84,7 +85,8 @@ def _compilers(plan: Plan, region: str, device_type: str) -> dict:
     """fw_compiler and bw_compiler for `plan.codegen_for(device_type)`."""
     if plan.codegen_for(device_type) != "inductor":
         return {"fw_compiler": _boxed, "bw_compiler": _boxed}
-    return {f"{kind}_compiler": functools.partial(_lowered, title=f"{region}, {name}")
+    return {f"{kind}_compiler": functools.partial(_lowered, title=f"{region}, {name}",
+                                                  backward=kind == "bw")
             for kind, name in (("fw", "forward"), ("bw", "backward"))}
 
 

@@ -21,6 +21,10 @@ calls, each piece lowered by itself and the calls made between them (`segments.p
 So is a program the schedule pauses before its collective waits (DualPipeV's F&B
 interleave): it is cut before each wait and runs as a generator that yields there.
 
+A B or W program may write its results over the saved values that die with it (their
+buffers donated, as torch.compile's backward does with AOTAutograd's donated buffers; which
+ones: `donation.py`): no fresh allocation, and the write lands where the read just was.
+
 The retrace runs inside the program's own fake mode, whose shape environment holds the
 data-dependent sizes of expert parallelism (tokens received from each rank), so factory ops
 of those sizes stay symbolic and a size handed from F to W is an input like a tensor.
@@ -50,27 +54,33 @@ class NotLowered(Exception):
     """Why a program stays Python codegen."""
 
 
-def lower(program: Program, pauses: bool = False) -> tuple[object, object, str]:
+def lower(program: Program, pauses: bool = False,
+          donated: frozenset = frozenset()) -> tuple[object, object, str]:
     """(the compiled function, its generator form that yields before each collective wait
     or None, Inductor's output code) for `program`; NotLowered when it cannot be lowered
     (the reason in its message). `pauses`: the schedule runs programs step by step, pausing
-    before each collective wait (DualPipeV's F&B interleave). A program that calls back
-    into the executor or pauses is lowered in segments (`segments.py`)."""
+    before each collective wait (DualPipeV's F&B interleave). `donated`: inputs (of
+    `program.inputs`) whose buffers it may write over, dead once it ran (`donation.py`).
+    A program that calls back into the executor or pauses is lowered in segments
+    (`segments.py`)."""
     gm = program.gm
     plan = segments.cut(gm, pauses)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    dying = {p for p, node in zip(placeholders, program.inputs, strict=True) if node in donated}
     if not plan:
-        examples = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
-        fn, code = compile_graph(gm, examples)
+        examples = [n.meta.get("val") for n in placeholders]
+        fn, code = compile_graph(gm, examples, [n in dying for n in placeholders])
         return fn, None, code
     compiled, codes = [], []
-    for part in plan:
+    for i, part in enumerate(plan):
         if isinstance(part, segments.Segment):
-            fn, code = compile_graph(part.gm, [n.meta.get("val") for n in part.inputs])
+            later = segments.reads(plan[i + 1:], gm)
+            fn, code = compile_graph(part.gm, [n.meta.get("val") for n in part.inputs],
+                                     [n in dying and n not in later for n in part.inputs])
             compiled.append((part, fn))
             codes.append(f"# segment {len(codes)}\n{code}")
         else:
             compiled.append((part, None))
-    placeholders = gm.graph.find_nodes(op="placeholder")
     returned = gm.graph.find_nodes(op="output")[0].args[0]
 
     def steps(*args):
@@ -95,10 +105,13 @@ def lower(program: Program, pauses: bool = False) -> tuple[object, object, str]:
     return run, steps if segments.PAUSE in plan else None, "\n".join(codes)
 
 
-def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
+def compile_graph(gm: GraphModule, examples: list, donated: list[bool] | None = None,
+                  backward: bool = False) -> tuple[object, str]:
     """(the compiled function, Inductor's output code): `gm` decomposed with Inductor's
     table and compiled by `compile_fx_inner` for inputs like `examples` (real or fake
-    values; tuples flattened around Inductor). NotLowered when Inductor refuses it."""
+    values; tuples flattened around Inductor). NotLowered when Inductor refuses it.
+    `donated[i]`: example i is a tensor the compiled code may write over (`_donate`).
+    `backward`: an AOTAutograd backward, whose donated inputs its tracing context names."""
     if any(v is None for v in examples):
         raise NotLowered("a value it reads has no recorded example")
     leaves, in_spec = tree_flatten(examples)
@@ -135,7 +148,8 @@ def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
             # compile_fx_inner after it (a dropout is refused without it)
             with V.set_fake_mode(fake_mode or FakeTensorMode()):
                 traced = joint_graph_passes(traced)
-            compiled = compile_fx_inner(traced, leaves)
+            with _donate(traced, examples, donated, fake_mode) as donating:
+                compiled = compile_fx_inner(traced, leaves, is_backward=backward or donating)
     except Exception as error:  # noqa: BLE001 - reported by the caller, which falls back
         raise NotLowered(f"Inductor refused it: {type(error).__name__}: "
                          f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}") from error
@@ -148,6 +162,49 @@ def compile_graph(gm: GraphModule, examples: list) -> tuple[object, str]:
         flat_inputs, _ = tree_flatten(list(args))
         return tree_unflatten(list(compiled(flat_inputs)), spec)
     return run, getattr(compiled, "source_code", "") or ""
+
+
+@contextlib.contextmanager
+def _donate(traced: GraphModule, examples: list, donated: list[bool] | None, fake_mode):
+    """Inductor told which of `traced`'s inputs it may reuse for its own results: as
+    torch.compile's backward (AOTAutograd's donated buffers), through a tracing context
+    whose forward metadata names them; it reads that only for a backward graph, so the
+    program is compiled as one. Only for a graph of tensors of static shapes (a backward
+    reads its sizes from other places). A donated input is renamed `donated_<i>`, so that
+    the FX graph cache never hands this code to the same graph without them. Yields whether
+    anything is donated."""
+    sizes = [len(tree_flatten(v)[0]) for v in examples]
+    flags = [bool(d) and isinstance(v, torch.Tensor) and not v._has_symbolic_sizes_strides
+             for v, d in zip(examples, donated or [False] * len(examples), strict=True)]
+    indices, at = [], 0
+    for size, flag in zip(sizes, flags, strict=True):
+        if flag:
+            indices.append(at)
+        at += size
+    static = all(isinstance(v, torch.Tensor) and not v._has_symbolic_sizes_strides
+                 for v in tree_flatten(examples)[0])
+    if not indices or not static or torch._guards.TracingContext.try_get() is not None:
+        yield False
+        return
+    for i, node in enumerate(traced.graph.find_nodes(op="placeholder")):
+        if i in indices:
+            node.target = f"donated_{i}"
+    traced.recompile()
+    context = torch._guards.TracingContext(fake_mode)
+    context.fw_metadata = _Donated(indices)
+    with torch._guards.tracing(context):
+        yield True
+
+
+class _Donated:
+    """The part of AOTAutograd's forward metadata Inductor reads for a backward."""
+
+    def __init__(self, indices: list[int]):
+        self.bw_donated_idxs = indices
+        self.static_input_indices: list[int] = []
+
+    def __bool__(self) -> bool:
+        return True
 
 
 def _bindable(leaves: list, fake_mode) -> list:

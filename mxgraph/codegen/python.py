@@ -13,7 +13,7 @@ from itertools import count
 
 import torch
 
-from mxgraph.codegen import inductor
+from mxgraph.codegen import donation, inductor
 from mxgraph.codegen.segments import BUCKET, CALLBACK
 from mxgraph.runtime.pipeline.programs import Program, StagePrograms
 
@@ -41,12 +41,13 @@ def generate_program(program: Program, title: str) -> None:
     program.steps_fn = _pausing(code.src, dict(code.globals), program)
 
 
-def _lowered(program: Program, title: str, pauses: bool) -> str | None:
+def _lowered(program: Program, title: str, pauses: bool, donated=frozenset()) -> str | None:
     """Run `program` as Inductor's code from now on; its output code, or None where it
     stays Python (with the warning of `inductor.fall_back`). `pauses`: the schedule pauses
-    programs before their collective waits (DualPipeV's F&B interleave)."""
+    programs before their collective waits (DualPipeV's F&B interleave); `donated`: the
+    inputs it may write over (`donation.py`)."""
     try:
-        fn, steps, code = inductor.lower(program, pauses)
+        fn, steps, code = inductor.lower(program, pauses, donated)
     except inductor.NotLowered as reason:
         inductor.fall_back(title, reason)
         return None
@@ -145,12 +146,14 @@ def generate(stages: dict[int, StagePrograms], plan, dump_dir=None) -> str:
              f"# plan: {plan}\n"]
     codegen = plan.codegen_for(_device_type(stages))
     for stage, programs in sorted(stages.items()):
+        donated = donation.donated(programs) if codegen == "inductor" else {}
         for kind, program in programs.all():
             title = f"stage {stage}, {kind} ({_PIECES[kind]})"
             generate_program(program, title)
             parts.append(program.source)
             if codegen == "inductor" and program.inputs:
-                code = _lowered(program, title, pauses=plan.schedule == "dualpipev")
+                code = _lowered(program, title, pauses=plan.schedule == "dualpipev",
+                                donated=donated.get(kind, frozenset()))
                 if code and dump_dir is not None:
                     (dump_dir / f"inductor_stage{stage}_{kind}.py").write_text(code)
     source = "\n".join(parts)

@@ -89,6 +89,20 @@ def cut(gm: GraphModule, pauses: bool = False) -> list[Segment | list[Node] | st
     return plan
 
 
+def reads(parts: list, gm: GraphModule) -> set[Node]:
+    """The nodes of `gm` that `parts` (the rest of a `cut` plan) and the program's output
+    read: a value none of them reads dies with the segment before them."""
+    out: set[Node] = set()
+    for part in parts:
+        if isinstance(part, Segment):
+            out.update(part.inputs)
+        elif isinstance(part, list):
+            for call in part:
+                map_arg((call.args, call.kwargs), out.add)
+    map_arg(gm.graph.find_nodes(op="output")[0].args, out.add)
+    return out
+
+
 def _gaps(position: dict[Node, int], num_compute: int) -> list[int]:
     """The cut positions: every timing point's, and at most MAX_CUTS of the others'."""
     points = {at for node, at in position.items() if node.meta[CALLBACK] == "point"}

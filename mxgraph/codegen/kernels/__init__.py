@@ -135,6 +135,14 @@ def cpu_decompositions() -> dict:
     Inductor, given this as decompositions for a CPU program, fuses the reference into the
     neighbouring loops instead of calling the op opaque. On ``cuda`` the ops stay extern
     kernels: their Triton. The grouped GEMMs stay opaque everywhere: their reference loops
-    over the groups' row counts, data a trace cannot hold."""
-    modules = {name: module for name, _, module, _ in _TABLE}
+    over the groups' row counts, data a trace cannot hold. So do those of `OPAQUE_ON_CPU`."""
+    modules = {name: module for name, _, module, _ in _TABLE if name not in OPAQUE_ON_CPU}
     return {KERNELS[name].op: getattr(module, name)._init_fn for name, module in modules.items()}
+
+
+OPAQUE_ON_CPU = frozenset({"bias_dropout_add", "bias_dropout_add_backward"})
+"""Fused ops whose reference Inductor's C++ codegen cannot take in reasonable time: the
+dropout mask hashes each element's index (two rounds of an integer mix over an `arange`),
+and Inductor simplifies those index expressions symbolically when it picks the loops'
+vector tiling; gpt-tiny's step did not compile in 20 minutes. They run as their reference,
+called between Inductor's loops."""
