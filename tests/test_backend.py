@@ -1,6 +1,10 @@
 """torch.compile(backend="mxmaca") in a fresh interpreter that never imports mxgraph.backend
-(`import models` loads mxgraph itself: models/moe.py takes the grouped_mm op from it)."""
+(`import models` loads mxgraph itself: models/moe.py takes the grouped_mm op from it).
+Gradients and parameters within 1e-6 of eager under Python codegen (the same ATen kernels),
+1e-4 under MXGRAPH_CODEGEN=inductor (Inductor's fused loops sum in another order, as
+torch.compile's own)."""
 import operator
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,15 +27,15 @@ SCRIPT = textwrap.dedent("""
         x = torch.randint(0, 256, (2, 16), generator=g); y = torch.randint(0, 256, (2, 16), generator=g)
         loss = compiled(x, y); loss.backward()
         ref = reference(x, y); ref.backward()
-        assert abs(loss.item() - ref.item()) <= 1e-6 * abs(ref.item()), (loss, ref)
+        assert abs(loss.item() - ref.item()) <= {tol} * abs(ref.item()), (loss, ref)
         for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
             if q.grad is None:
                 continue
             err = ((p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30)).item()
-            assert err <= 1e-6, (n, err)
+            assert err <= {tol}, (n, err)
         opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
     for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        assert ((p - q).norm() / q.norm()).item() <= 1e-6, n
+        assert ((p - q).norm() / q.norm()).item() <= {tol}, n
     assert "mxgraph.backend" in sys.modules  # the entry point loaded it
     print("PARITY OK")
 """)
@@ -65,7 +69,8 @@ def run(script: str) -> str:
 
 @pytest.mark.parametrize("name", ["llama-tiny", "moe-tiny", "gpt-tiny"])
 def test_backend_matches_eager(name):
-    assert "PARITY OK" in run(SCRIPT.format(name=name))
+    tol = 1e-4 if os.environ.get("MXGRAPH_CODEGEN") == "inductor" else 1e-6
+    assert "PARITY OK" in run(SCRIPT.format(name=name, tol=tol))
 
 
 def test_backend_handles_graph_breaks():
@@ -121,9 +126,9 @@ def test_inductor_compiles_the_passed_graphs(monkeypatch):
     compiled_graphs = []
     compile_graph = inductor.compile_graph
 
-    def counting(gm, examples):
-        compiled_graphs.append(gm)
-        return compile_graph(gm, examples)
+    def counting(gm, examples, **kwargs):
+        compiled_graphs.append((gm, kwargs.get("backward")))
+        return compile_graph(gm, examples, **kwargs)
     monkeypatch.setattr(inductor, "compile_graph", counting)
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -138,7 +143,8 @@ def test_inductor_compiles_the_passed_graphs(monkeypatch):
     loss.backward()
     expected = loss_of(reference, x)
     expected.backward()
-    assert len(compiled_graphs) == 2  # the forward and the backward
+    # the forward, then the backward, compiled as one (it may take AOTAutograd's donations)
+    assert [backward for _, backward in compiled_graphs] == [False, True]
     assert abs(loss.item() - expected.item()) <= 1e-6 * abs(expected.item())
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert ((p.grad - q.grad).norm() / q.grad.norm()).item() <= 1e-6, name

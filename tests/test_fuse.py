@@ -6,18 +6,20 @@ gradient of each step and on the parameters after them, fp32, dropout off. Measu
 for bit. On the CPU the fused ops run references that make eager autograd's own ATen calls in
 its order (``mxgraph/codegen/kernels/__init__.py``), and the joint pass ``fuse_residual_grad``
 adds a residual gradient inside the norm backward, where eager adds it; before both, fused
-gradients were ~1e-7 off and AdamW amplified that to 1e-4 in three steps.
+gradients were ~1e-7 off and AdamW amplified that to 1e-4 in three steps. Under
+MXGRAPH_CODEGEN=inductor: 1e-4, 4x after the first step (`assert_fused_training_equals_eager`).
 """
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 
 import models
 import mxgraph as mx
-from tests.helpers import batch, rel_err
+from tests.helpers import batch, drift_tol, rel_err
 from tests.test_fuse_forms import TOL, dump_counts
 
 
@@ -57,18 +59,23 @@ def assert_fused_training_equals_eager(model, vocab: int, dump_dir, steps: int =
     after them, within TOL."""
     unfused = copy.deepcopy(model)
     args = batch(vocab=vocab, seq_len=16)
+    # under MXGRAPH_CODEGEN=inductor the fused references are fused into Inductor's loops,
+    # which sum in another order than eager: torch.compile's own first-step gradients are
+    # 1.3e-6 from eager's (tests/inductor_drift.py), and AdamW widens that (`drift_tol`)
+    inductor = os.environ.get("MXGRAPH_CODEGEN") == "inductor"
+    tol = 1e-4 if inductor else TOL
     on = mx.compile(model, mx.Plan(fusion=True, dump_dir=str(dump_dir)))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, unfused)]
     for i in range(steps):
         loss_on, loss_off = on(*args), unfused(*args)
         loss_off.backward()
-        assert rel_err(loss_on, loss_off) <= TOL, (i, loss_on.item(), loss_off.item())
+        assert rel_err(loss_on, loss_off) <= tol, (i, loss_on.item(), loss_off.item())
         for (key, p), q in zip(model.named_parameters(), unfused.parameters(), strict=True):
-            assert rel_err(p.grad, q.grad) <= TOL, (i, key, rel_err(p.grad, q.grad))
+            assert rel_err(p.grad, q.grad) <= drift_tol(tol, i), (i, key, rel_err(p.grad, q.grad))
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    assert rel_err(_flat(model.parameters()), _flat(unfused.parameters())) <= TOL
+    assert rel_err(_flat(model.parameters()), _flat(unfused.parameters())) <= drift_tol(tol, steps)
 
 
 # moe-tiny keeps 2 of its 4 layers (one dense, one MoE): its per-expert loop traces slowly

@@ -7,9 +7,9 @@ placeholders carry), so that every op is one Inductor lowers, and compiled by
 kernels stay calls to their Triton on `cuda` (Inductor's fallback kernels); on the CPU they
 are traced as their plain-torch references (`kernels.cpu_decompositions`), which Inductor
 fuses with their neighbours, except bias-dropout-add, whose index-hashed mask Inductor's C++
-codegen takes too long over (`kernels.OPAQUE_ON_CPU`). Its other custom ops (the vocabulary-parallel loss, offload,
-expert counts) stay calls to their own implementations. Program inputs
-and outputs that are tuples (a multi-output op's value handed from F to B) are flattened
+codegen takes too long over (`kernels.OPAQUE_ON_CPU`). Its other custom ops (the
+vocabulary-parallel loss, offload, expert counts) stay calls to their own implementations.
+Program inputs and outputs that are tuples (a multi-output op's value handed from F to B) are flattened
 for Inductor and rebuilt around it.
 
 Collectives (tp, sp, cp) are functional ops Inductor lowers itself: each start stays where
