@@ -70,8 +70,13 @@ def assert_fused_training_equals_eager(model, vocab: int, dump_dir, steps: int =
         loss_on, loss_off = on(*args), unfused(*args)
         loss_off.backward()
         assert rel_err(loss_on, loss_off) <= tol, (i, loss_on.item(), loss_off.item())
+        # a gradient zero in exact arithmetic (an attention key's bias) is rounding noise,
+        # measured under Inductor against a thousandth of the largest gradient
+        floor = 1e-3 * max(q.grad.norm().item() for q in unfused.parameters()) if inductor else 0.0
         for (key, p), q in zip(model.named_parameters(), unfused.parameters(), strict=True):
-            assert rel_err(p.grad, q.grad) <= drift_tol(tol, i), (i, key, rel_err(p.grad, q.grad))
+            err = ((p.grad - q.grad).double().norm() /
+                   max(q.grad.double().norm().item(), floor, 1e-30)).item()
+            assert err <= drift_tol(tol, i), (i, key, err)
         for opt in opts:
             opt.step()
             opt.zero_grad()
