@@ -204,9 +204,6 @@ class _Donated:
         self.bw_donated_idxs = indices
         self.static_input_indices: list[int] = []
 
-    def __bool__(self) -> bool:
-        return True
-
 
 def _bindable(leaves: list, fake_mode) -> list:
     """`leaves` with each data-dependent size Inductor could not bind at run time made a

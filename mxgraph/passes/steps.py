@@ -158,11 +158,12 @@ def codegen_step(c: Compilation, ctx: CompileContext):
     """Generate each program's Python code and build this rank's executor."""
     overlap = ctx.plan.overlap
     if overlap is not None and overlap.dp_buckets:  # runtime/data_parallel/overlap.py hears of them
+        bucket_of_name = _grad_buckets(c, ctx)
         for stage, programs in c.programs.items():
             grads = {node for _, node in programs.param_grads}
             params = {n for n, slot in zip(programs.placeholders, joint_slots(c, stage), strict=True)
                       if slot.kind == "param"} if ctx.plan.zero1 else set()
-            bucket_of = _grad_buckets(c, ctx, programs)
+            bucket_of = {node: bucket_of_name.get(name, -1) for name, node in programs.param_grads}
             for _, program in programs.all():
                 program.announce = tuple(n for n in program.outputs if n in grads)
                 program.announce_buckets = tuple(bucket_of[n] for n in program.announce)
@@ -188,10 +189,11 @@ def codegen_step(c: Compilation, ctx: CompileContext):
     return _program_graphs(c)
 
 
-def _grad_buckets(c: Compilation, ctx: CompileContext, programs: StagePrograms) -> dict:
-    """Gradient node -> the index of its data-parallel bucket, as the step will lay the
-    buckets out (`bucket_layout` over the parameters this rank's stages read), for the
-    codegen's choice of where to call back (`Program.announce_buckets`)."""
+def _grad_buckets(c: Compilation, ctx: CompileContext) -> dict[str, int]:
+    """Parameter name (every name of a shared one) -> the index of its data-parallel
+    bucket, as the step will lay the buckets out (`bucket_layout` over the parameters this
+    rank's stages read), for the codegen's choice of where to call back
+    (`Program.announce_buckets`); computed once for all of this rank's stages."""
     names = {slot.key for stage in c.programs for slot in joint_slots(c, stage)
              if slot.kind == "param"}
     by_name = dict(c.model.named_parameters(remove_duplicate=False))
@@ -199,7 +201,7 @@ def _grad_buckets(c: Compilation, ctx: CompileContext, programs: StagePrograms) 
     buckets = bucket_layout([(n, p) for n, p in c.model.named_parameters() if id(p) in held],
                             c.layouts, ctx.plan, c.mesh)
     index = {id(p): i for i, bucket in enumerate(buckets) for p in bucket.params}
-    return {node: index.get(id(by_name.get(name)), -1) for name, node in programs.param_grads}
+    return {name: index[id(p)] for name, p in by_name.items() if id(p) in index}
 
 
 def joint_slots(c: Compilation, stage: int) -> list:
