@@ -6,8 +6,10 @@ AdamW steps (lr 1e-2, eps 1e-6) on the same batches of 16 x 16 tokens, each step
 accumulated over 2 micro-batches. Per step it prints the worst gradient error and, after
 the update, the worst parameter error, both `floored_err` (relative to the reference's
 norm, floored at 1e-3 of the largest norm of its kind) as the parity tests measure them.
+A Hugging Face model of test_hf_ep_forms (`gpt_oss`, ...) is built as that test builds it
+and run as its loop runs it: its AdamW lr, 4 x 16 tokens a step.
 
-    PYTHONPATH=. python -m tests.inductor_drift [llama-tiny|moe-tiny|...]
+    PYTHONPATH=. python -m tests.inductor_drift [llama-tiny|moe-tiny|gpt_oss|...]
 """
 from __future__ import annotations
 
@@ -31,20 +33,25 @@ def worst(model, reference, attr: str | None) -> tuple[float, str]:
 
 def drift(name: str, steps: int = 3) -> list[tuple[float, float]]:
     """(worst gradient error, worst parameter error after the update) per step."""
+    from tests.test_hf_ep_forms import MODELS
     torch.manual_seed(0)
-    model = models.build_model(name)
+    if name in MODELS:
+        make, lr = MODELS[name]
+        model, rows_per_step = make(), 4
+    else:
+        model, lr, rows_per_step = models.build_model(name), 1e-2, 16
     for pname, param in model.named_parameters():
         if pname.endswith("attn.wk.bias"):  # as check_plan: its gradient is rounding noise
             param.requires_grad_(False)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr, eps=1e-6)
     g = torch.Generator().manual_seed(1)
     rows = []
     for i in range(steps):
-        tokens = torch.randint(0, 256, (16, 16), generator=g)
-        targets = torch.randint(0, 256, (16, 16), generator=g)
+        tokens = torch.randint(0, 256, (rows_per_step, 16), generator=g)
+        targets = torch.randint(0, 256, (rows_per_step, 16), generator=g)
         for fn in (compiled, reference):
             sum(fn(x, y) / 2 for x, y in zip(tokens.chunk(2), targets.chunk(2),
                                               strict=True)).backward()

@@ -73,6 +73,7 @@ def test_a_program_inductor_refuses_runs_as_python_and_says_so(monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("no lowering for this op")
     monkeypatch.setattr(compile_fx, "compile_fx_inner", refuse)
+    monkeypatch.delenv("MXGRAPH_STRICT", raising=False)  # the fallback this test checks
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _run(mx.Plan(codegen="inductor"), steps=1)
@@ -203,3 +204,29 @@ def test_a_size_no_input_binds_is_made_a_symbol_of_its_own():
     a, b = torch.randn(5, 4), torch.randn(5, 4)
     for got, want in zip(fn(a, b), program(a, b), strict=True):
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_outputs_keep_the_layout_later_programs_were_compiled_for():
+    """A program's output is laid out as its recorded example, which later programs are
+    compiled for (Inductor checks its inputs' strides), even where Inductor would write it
+    otherwise: phi3's rotary `cat` of transposed halves came out transposed where ATen's
+    `cat`, so the recorded value, is contiguous; W then stopped on the stride check."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mxgraph.codegen.inductor import compile_graph
+
+    def program(x):
+        t = x.transpose(1, 2)  # (2, 4, 8, 6) read transposed
+        return torch.cat((-t[..., 3:], t[..., :3]), dim=-1) * 2.0, t.sin()
+    x = torch.randn(2, 8, 4, 6)
+    gm = make_fx(program)(x)
+    out = gm.graph.find_nodes(op="output")[0].args[0]
+    # recorded examples laid out otherwise than Inductor would write them: the cat
+    # transposed, the sine (of a transposed value) contiguous
+    out[0].meta["val"] = torch.empty(2, 8, 4, 6).transpose(1, 2)
+    out[1].meta["val"] = torch.empty(2, 4, 8, 6)
+    fn, _ = compile_graph(gm, [x])
+    got = fn(x)
+    for value, want, recorded in zip(got, program(x), (out[0], out[1]), strict=True):
+        assert value.stride() == recorded.meta["val"].stride()
+        assert torch.allclose(value, want, rtol=1e-6, atol=1e-6)

@@ -8,25 +8,48 @@ from hypothesis import strategies as st
 
 import models
 import mxgraph as mx
-from tests.helpers import assert_grads_close, batch, eager_step, rel_err, twin
+from tests.helpers import (
+    assert_grads_close,
+    batch,
+    codegen_tol,
+    drift_tol,
+    eager_step,
+    grad_floor,
+    rel_err,
+    twin,
+    under_inductor,
+)
 
-TOL = 1e-6  # relative, fp32 (the issue's bound)
+TOL = codegen_tol(1e-6)  # relative, fp32: the issue's bound; 1e-4 under MXGRAPH_CODEGEN=inductor
 
 
 def check_parity(model, args, steps: int = 3):
+    """`model` compiled by mx.compile against an eager copy: the loss of each AdamW step
+    (lr 1e-2), the gradients and the parameters after the steps, within TOL. Under
+    MXGRAPH_CODEGEN=inductor the gradients are compared per parameter at the first step, and
+    the parameters after the steps as one vector at `drift_tol`: in this loop torch.compile
+    itself is 2.4e-3 from eager on moe-tiny's second-step gradients, 1.6 on gpt-tiny's
+    attention key bias after a step (a gradient of rounding noise, which AdamW makes a step
+    of lr), and 2.9e-4 on moe-tiny's parameters as one vector after three."""
     reference = twin(model)
     step = mx.compile(model)
     opt = torch.optim.AdamW(step.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    inductor = under_inductor()
     for i in range(steps):
         loss = step(*args)
         ref_loss, _ = eager_step(reference, *args)
-        assert rel_err(loss, ref_loss) <= TOL, (i, loss.item(), ref_loss.item())
-        assert_grads_close(model, reference, TOL)
+        assert rel_err(loss, ref_loss) <= drift_tol(TOL, i), (i, loss.item(), ref_loss.item())
+        if i == 0 or not inductor:
+            assert_grads_close(model, reference, TOL, grad_floor(reference))
         opt.step(); opt.zero_grad()
         ref_opt.step(); ref_opt.zero_grad()
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        assert rel_err(p, q) <= TOL, f"{name} after {steps} AdamW steps"
+    if inductor:
+        flat = [torch.cat([p.detach().flatten() for p in m.parameters()]) for m in (model, reference)]
+        assert rel_err(*flat) <= drift_tol(TOL, steps), f"the parameters after {steps} AdamW steps"
+    else:
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+            assert rel_err(p, q) <= TOL, f"{name} after {steps} AdamW steps"
     return step
 
 
@@ -112,17 +135,26 @@ def test_same_seed_bitwise_identical_losses():
 
 
 def test_dropout_draws_like_eager():
+    """Python codegen draws eager's masks from torch's generator: the same loss, bitwise.
+    Inductor codegen draws its own (as torch.compile does) unless Inductor's
+    `fallback_random` is set; then the masks are eager's, the sums in Inductor's order."""
     torch.manual_seed(0)
     model = models.build_model("gpt-tiny", dropout=0.1)
     reference = twin(model)
-    step = mx.compile(model)
-    args = batch()
-    step(*args)  # compile; the timed comparison is the next call
-    torch.manual_seed(1)
-    loss = step(*args)
+    with torch._inductor.config.patch(fallback_random=True):
+        step = mx.compile(model)
+        args = batch()
+        step(*args)  # compile; the timed comparison is the next call
+        torch.manual_seed(1)
+        loss = step(*args)
     torch.manual_seed(1)
     ref = reference(*args)
-    assert loss.item() == ref.item()
+    torch.manual_seed(2)  # another mask: what a mask of Inductor's own would be off by
+    other = reference(*args)
+    if under_inductor():
+        assert rel_err(loss, ref) <= TOL < rel_err(other, ref), (loss.item(), ref.item(), other.item())
+    else:
+        assert loss.item() == ref.item()
 
 
 def test_bf16_trains_like_eager_bf16():

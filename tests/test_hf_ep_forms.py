@@ -33,7 +33,7 @@ from mxgraph.driver import compile_step, fake_model
 from mxgraph.passes.sharding.moe_blocks import find_expert_blocks
 from mxgraph.runtime.cluster.mesh import Mesh
 from tests.distributed import run_ranks
-from tests.helpers import rel_err
+from tests.helpers import drift_tol, rel_err, under_inductor
 from tests.test_pipeline_exec import GRAD_TOL, LOSS_TOL, floored_err, largest_norm
 
 pytest.importorskip("transformers")
@@ -80,6 +80,11 @@ MODELS = {"gpt_oss": (lambda: build("gpt_oss"), 1e-2),
 """name -> (builder, AdamW lr). llama4_text at lr 1e-3: its step-1 gradients match to 3e-7
 but some are of the order of AdamW's eps (1e-6), where the update amplifies rounding, so at
 lr 1e-2 the parameters drift to 1.8e-4 after 3 steps (1.8e-6 at 1e-3; dp=2 alone is bitwise)."""
+INDUCTOR_AFTER_STEPS = {"gpt_oss": 2e-3}
+"""Under MXGRAPH_CODEGEN=inductor, the parameters after check_ep2's 3 AdamW steps, where
+torch.compile itself drifts further from eager than `drift_tol` allows: gpt_oss's third-step
+gradients 5.9e-4 and embedding after it 1.5e-3 apart in this loop, in one process
+(`python -m tests.inductor_drift gpt_oss`)."""
 
 
 # ---- two ranks vs eager -------------------------------------------------------------------
@@ -95,10 +100,10 @@ def _whole(step, name: str, mine: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _assert_whole(step, rows, scale: float, what: str) -> None:
+def _assert_whole(step, rows, scale: float, what: str, tol: float = GRAD_TOL) -> None:
     for name, mine, ref in rows:
         err = floored_err(_whole(step, name, mine), ref, scale)
-        assert err <= GRAD_TOL, f"{what} {name}: error {err:.2e}"
+        assert err <= tol, f"{what} {name}: error {err:.2e}"
 
 
 def check_ep2(rank, world, model_name, steps=3, batch_size=2, seq_len=16):
@@ -128,8 +133,10 @@ def check_ep2(rank, world, model_name, steps=3, batch_size=2, seq_len=16):
             optimizer.step()
             optimizer.zero_grad()
     ref = dict(reference.named_parameters())
+    tol = INDUCTOR_AFTER_STEPS.get(model_name, 0.0) if under_inductor() else 0.0
     _assert_whole(step, [(n, p.detach(), ref[n].detach()) for n, p in step.named_parameters()],
-                  largest_norm(reference), f"{model_name} after {steps} steps")
+                  largest_norm(reference), f"{model_name} after {steps} steps",
+                  max(tol, drift_tol(GRAD_TOL, steps)))
     experts = [n for n, layout in step.layouts.items() if layout.ep]
     assert experts and all(dict(model.named_parameters())[n].shape[0] == 2 for n in experts)
     if model_name == "gpt_oss":  # the biases go with their experts

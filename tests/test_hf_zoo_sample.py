@@ -71,13 +71,14 @@ def test_tp2_ep2_with_the_default_cache_matches_eager(tmp_path):
     assert _failures(results) == {}
 
 
-def test_mxmaca_regions_the_passes_cannot_take_run_whole_and_say_so():
+def test_mxmaca_regions_the_passes_cannot_take_run_whole_and_say_so(monkeypatch):
     """AXK2 (a DeepSeek-style MoE): torch 2.13's export of its region takes a `tangents_1` the
     region does not have. DOGE: its attention mask needs a gradient, and the exported forward
     calls the CPU flash kernel, which has none. Both crashed the backend; each region now runs
     without the forward passes (the joint's views still made layout-safe: DOGE's backward
     `view` of `softplus_backward` fails in plain AOTAutograd), with the fallback warning the
     cell records, and matches eager."""
+    monkeypatch.delenv("MXGRAPH_STRICT", raising=False)  # the fallbacks this test checks
     axk2 = cells.run_cell("axk2", cells.PLANS["mxmaca"], timeout=TIMEOUT)
     assert axk2["status"] == "pass", axk2
     assert any(re.search(r"exported forward takes \d+ inputs for the region's \d+ \(the last: "

@@ -118,12 +118,14 @@ def compile_graph(gm: GraphModule, examples: list, donated: list[bool] | None = 
     leaves, in_spec = tree_flatten(examples)
     if not all(isinstance(v, (torch.Tensor, torch.SymInt)) for v in leaves):
         raise NotLowered("an input is neither a tensor nor a size")
-    out_spec = []
+    out_spec, recorded = [], _recorded_outputs(gm)
 
     def flat(*args):
         outputs, spec = tree_flatten(tuple(gm(*tree_unflatten(list(args), in_spec))))
         out_spec.append(spec)
-        return tuple(outputs)
+        if len(recorded) != len(outputs):
+            return tuple(outputs)
+        return tuple(_as_recorded(v, r) for v, r in zip(outputs, recorded, strict=True))
 
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
@@ -163,6 +165,31 @@ def compile_graph(gm: GraphModule, examples: list, donated: list[bool] | None = 
         flat_inputs, _ = tree_flatten(list(args))
         return tree_unflatten(list(compiled(flat_inputs)), spec)
     return run, getattr(compiled, "source_code", "") or ""
+
+
+def _recorded_outputs(gm: GraphModule) -> list:
+    """The recorded example of each flattened output of `gm` (None where it has none)."""
+    returned = tree_flatten(gm.graph.find_nodes(op="output")[0].args[0])[0]
+    return [v for n in returned
+            for v in (tree_flatten(n.meta.get("val"))[0] if isinstance(n, torch.fx.Node) else [None])]
+
+
+def _as_recorded(value, recorded):
+    """`value` (an output being traced) laid out with the strides of its recorded example.
+    Later programs are compiled for the recorded layout (Inductor checks its inputs' strides
+    when it runs), but the decomposed retrace may lay a value out otherwise (phi3's rotary
+    `cat` of transposed halves came out transposed, as it is read, where ATen's `cat` and so
+    the recorded value is contiguous), and Inductor keeps the retrace's strides. A static
+    dense layout only; a size-1 dimension's stride does not count."""
+    if not (isinstance(value, torch.Tensor) and isinstance(recorded, torch.Tensor)):
+        return value
+    sizes, want, have = value.shape, recorded.stride(), value.stride()
+    static = all(isinstance(d, int) for d in (*sizes, *want, *have, *recorded.shape))
+    if (not static or tuple(sizes) != tuple(recorded.shape)
+            or not torch._prims_common.is_non_overlapping_and_dense_or_false(recorded)
+            or all(w == h for d, w, h in zip(sizes, want, have, strict=True) if d > 1)):
+        return value
+    return torch.ops.prims.copy_strided(value, want)
 
 
 @contextlib.contextmanager

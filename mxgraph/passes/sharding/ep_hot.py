@@ -96,9 +96,17 @@ class HotFrame:
         x_local = s.call(mx.ep_dispatch.default, (x_perm, self.send, self.recv, self.total,
                                                   s.group), x)
         self.sent = s.call(operator.sub, (rows, self.hot_total), x)
-        x_hot = s.call(aten.narrow.default, (x_perm, 0, self.sent, self.hot_total), x)
+        x_hot = self.split(x_perm, self.sent, self.hot_total, x)[1]
         self.x = s.call(aten.cat.default, ([x_local, x_hot],), x)
         self.counts = s.call(aten.cat.default, ([self.local, self.hot_counts],), x)
+
+    def split(self, rows: Node, first, second, like: Node) -> tuple[Node, Node]:
+        """`rows` [first + second, ...] as its first `first` and its last `second` rows.
+        A split, not two narrows: Inductor lowers a narrow whose start is a data-dependent
+        size (`first`) only as far as its end is not known (torch 2.13 asserts on one that
+        ends at the size), and the split's sizes are the ones the frame gives."""
+        parts = self.s.call(aten.split_with_sizes.default, (rows, [first, second]), like)
+        return tuple(self.s.call(operator.getitem, (parts, i), like) for i in (0, 1))
 
     def replicate(self, views: list[Node], like: Node) -> dict[Node, Node]:
         """Per expert weight `view` [E/ep, ...]: [E/ep + k, ...], this rank's experts then
@@ -112,12 +120,11 @@ class HotFrame:
         """The experts' output rows (X_ext's order) -> X's order; inserted after `y`."""
         s = self.s
         with s.after(y):
-            y_local = s.call(aten.narrow.default, (y, 0, 0, self.total), y)
-            y_hot = s.call(aten.narrow.default, (y, 0, self.total, self.hot_total), y)
+            y_local, y_hot = self.split(y, self.total, self.hot_total, y)
             back = s.call(mx.ep_combine.default, (y_local, self.send, self.recv, self.rows,
                                                   s.group), y)
-            y_perm = s.call(aten.cat.default, ([s.call(aten.narrow.default, (
-                back, 0, 0, self.sent), y), y_hot],), y)
+            y_perm = s.call(aten.cat.default, ([self.split(back, self.sent, self.hot_total, y)[0],
+                                                y_hot],), y)
             inverse = s.call(aten.argsort.stable, (self.perm,), y, {"stable": True})
             return s.call(aten.index.Tensor, (y_perm, [inverse]), y)
 
