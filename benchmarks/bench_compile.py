@@ -13,11 +13,16 @@ it), on a GPU `torch.cuda.max_memory_allocated` above the allocation before them
 (model, runner) pair runs in its own subprocess so memory and caches do not leak between
 them. With `--rounds R` every pair runs R times, the runners interleaved round by round
 (a slow spell of a shared machine then hits every runner), and the fastest round counts.
+With `--side-by-side P` every model then runs all its runners in one process, each on its
+own copy of the model, P passes of one step each with the order rotated, and each runner's
+speed is the median over passes of inductor's (or eager's) step / its own in the same pass:
+a paired ratio, steady where a shared machine's steps wander by 10% from one second to the
+next and from one process to another.
 
     python benchmarks/bench_compile.py [--models llama-tiny,llama-20m] [--steps 10] [--rounds 1]
         [--runners eager,inductor,mxmaca,mxmaca-inductor,mxgraph,mxgraph-inductor]
         [--batch-size 8] [--seq-len 256] [--device cpu|cuda] [--dtype float32|bfloat16]
-        [--out bench_results/compile.json]
+        [--side-by-side 0] [--out bench_results/compile.json]
 """
 from __future__ import annotations
 
@@ -69,14 +74,12 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: int,
-            device: str = "cpu", dtype: str = "float32", layers: int | None = None,
-            profile: int = 0) -> dict:
-    """Run in this process: build, compile, time; returns one result row. ``layers``
-    replaces the model's number of transformer layers (the same layer shapes, fewer of
-    them: compile time grows with the layers, the runners' ratios hardly). ``profile``:
-    after the timed steps, profile 2 more and keep the ``profile`` ops (kernels on a GPU)
-    that took the most time, per step (`top_ops`), and how many ran (`ops_per_step`)."""
+def build(model_name: str, runner: str, batch_size: int, seq_len: int, device: str = "cpu",
+          dtype: str = "float32", layers: int | None = None):
+    """(step, sync, model, tokens, flops a token) for one runner, built in this process: its
+    own copy of the model (seed 0, so every runner's weights are the same) and one batch.
+    ``layers`` replaces the model's number of transformer layers (the same layer shapes,
+    fewer of them: compile time grows with the layers, the runners' ratios hardly)."""
     import torch
 
     import models
@@ -124,6 +127,21 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
 
         def step():
             compiled(x, y)
+    return step, sync, model, x, flops_per_token
+
+
+def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: int,
+            device: str = "cpu", dtype: str = "float32", layers: int | None = None,
+            profile: int = 0) -> dict:
+    """Run in this process: build, compile, time; returns one result row (`build` for
+    ``layers``). ``profile``: after the timed steps, profile 2 more and keep the ``profile``
+    ops (kernels on a GPU) that took the most time, per step (`top_ops`), and how many ran
+    (`ops_per_step`)."""
+    import torch
+    step, sync, model, x, flops_per_token = build(model_name, runner, batch_size, seq_len,
+                                                  device, dtype, layers)
+    batch_size, seq_len = x.shape
+    gpu = device != "cpu"
     start = time.perf_counter()
     step()
     sync()
@@ -161,6 +179,39 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
     if profile:
         row.update(profile_ops(step, sync, gpu, profile))
     return row
+
+
+def side_by_side(model_name: str, runners: list[str], passes: int, batch_size: int,
+                 seq_len: int, device: str = "cpu", dtype: str = "float32",
+                 layers: int | None = None) -> dict:
+    """Every runner in this one process, each on its own copy of the model (`build`): each
+    compiled and warmed (two steps), then `passes` passes that run one step of every
+    runner, the order rotated each pass, so a slow spell of a shared machine hits every
+    runner alike. Returns runner -> its step times (ms), pass by pass."""
+    built = {r: build(model_name, r, batch_size, seq_len, device, dtype, layers) for r in runners}
+    for step, sync, model, *_ in built.values():
+        for _ in range(2):
+            step()
+            sync()
+            model.zero_grad(set_to_none=True)
+    times = {r: [0.0] * passes for r in runners}
+    for i in range(passes):
+        for r in runners[i % len(runners):] + runners[:i % len(runners)]:
+            step, sync, model, *_ = built[r]
+            start = time.perf_counter()
+            step()
+            sync()
+            times[r][i] = (time.perf_counter() - start) * 1e3
+            model.zero_grad(set_to_none=True)
+    return times
+
+
+def paired(times: dict, runner: str, base: str) -> float | None:
+    """The median over passes of base's step time / runner's in the same pass (> 1: the
+    runner is faster); None without both."""
+    if runner not in times or base not in times:
+        return None
+    return statistics.median(b / t for b, t in zip(times[base], times[runner], strict=True))
 
 
 def profile_ops(step, sync, gpu: bool, top: int, steps: int = 2) -> dict:
@@ -212,9 +263,20 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="after the timed steps, profile 2 more and print each runner's "
                              "K most expensive ops (GPU kernels) and its ops (launches) a step")
+    parser.add_argument("--side-by-side", type=int, default=0, metavar="P",
+                        help="then, per model, every runner in one process: P passes of one "
+                             "step each, the order rotated, and per runner the median over "
+                             "passes of inductor's step time / its own in the same pass "
+                             "(`side_by_side`); 0: off")
     parser.add_argument("--out", default="bench_results/compile.json")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "RUNNER"), help=argparse.SUPPRESS)
+    parser.add_argument("--all-in-one", metavar="MODEL", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.all_in_one:
+        times = side_by_side(args.all_in_one, args.runners.split(","), args.side_by_side,
+                             args.batch_size, args.seq_len, args.device, args.dtype, args.layers)
+        print("SIDE " + json.dumps(times))
+        return 0
     if args.one:
         row = measure(*args.one, args.steps, args.batch_size, args.seq_len, args.device,
                       args.dtype, args.layers, args.profile)
@@ -255,19 +317,61 @@ def main(argv=None) -> int:
             if "error" in kept or row["step_ms"] < kept["step_ms"]:
                 best[(model_name, runner)] = row
             write_rows(args, pairs, best, rounds)  # so far: a run cut short keeps its rows
-    print_table(write_rows(args, pairs, best, rounds))
+    side = {}
+    for model_name in dict.fromkeys(m for m, _ in pairs) if args.side_by_side else ():
+        print(f"side by side: {model_name}, {args.side_by_side} passes ...", file=sys.stderr,
+              flush=True)
+        command = [sys.executable, __file__, "--all-in-one", model_name, "--runners", args.runners,
+                   "--side-by-side", str(args.side_by_side), "--batch-size", str(args.batch_size),
+                   "--seq-len", str(args.seq_len), "--device", args.device, "--dtype", args.dtype]
+        command += [] if args.layers is None else ["--layers", str(args.layers)]
+        result = subprocess.run(command, capture_output=True, text=True,
+                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        lines = [l for l in result.stdout.splitlines() if l.startswith("SIDE ")]
+        if result.returncode or not lines:
+            print(result.stderr[-2000:], file=sys.stderr)
+            continue
+        side[model_name] = json.loads(lines[0][5:])
+    rows = write_rows(args, pairs, best, rounds, side)
+    print_table(rows)
+    print_side_by_side(side, args.side_by_side)
     return 0
 
 
-def write_rows(args, pairs, best, rounds) -> list[dict]:
-    """Write the JSON of every (model, runner) pair as it stands; returns its rows."""
+def print_side_by_side(side: dict, passes: int) -> None:
+    """Per model and runner: the median step of the one-process passes, and the paired
+    ratios (`paired`) over eager and over inductor."""
+    if not side:
+        return
+    print(f"\nside by side, every runner in one process, {passes} passes (median step ms; "
+          f"ratios: median over passes of the base's step / the runner's, > 1 faster)")
+    print(f"{'model':<12} {'runner':<23} {'step ms':>9} {'vs eager':>9} {'vs inductor':>11}")
+    for model_name, times in side.items():
+        for runner, ms in times.items():
+            ratios = [f"{r:.3f}x" if (r := paired(times, runner, base)) else "-"
+                      for base in ("eager", "inductor")]
+            print(f"{model_name:<12} {runner:<23} {statistics.median(ms):>9.1f} "
+                  f"{ratios[0]:>9} {ratios[1]:>11}")
+
+
+def write_rows(args, pairs, best, rounds, side=None) -> list[dict]:
+    """Write the JSON of every (model, runner) pair as it stands; returns its rows. `side`:
+    model -> runner -> step ms of the one-process passes, kept per row as `side_by_side_ms`
+    with the paired ratios `side_by_side_vs_eager` and `side_by_side_vs_inductor`."""
     rows = [best[pair] if "error" in best[pair] else {**best[pair], "rounds": rounds[pair]}
             for pair in pairs]
+    for row in rows:
+        times = (side or {}).get(row["model"], {})
+        if row["runner"] in times:
+            row["side_by_side_ms"] = times[row["runner"]]
+            for base in ("eager", "inductor"):
+                row[f"side_by_side_vs_{base}"] = paired(times, row["runner"], base)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"batch_size": args.batch_size, "seq_len":
                                           args.seq_len, "device": args.device,
                                           "dtype": args.dtype, "rounds": args.rounds,
-                                          "layers": args.layers, "rows": rows}, indent=2))
+                                          "layers": args.layers, "side_by_side": args.side_by_side,
+                                          "rows": rows}, indent=2))
     return rows
 
 

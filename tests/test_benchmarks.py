@@ -113,6 +113,20 @@ def test_gpu_check_tiny_and_compile(load, tmp_path):
         load("bench_compile").main(["--runners", "eager,torch"])
 
 
+def test_compile_side_by_side_pairs_the_runners_pass_by_pass(load):
+    """bench_compile's one-process mode: every runner built on its own copy of the model
+    (the same weights), P passes of one step each; a runner's ratio is the median of the
+    base's step over its own in the same pass."""
+    bench = load("bench_compile")
+    times = bench.side_by_side("llama-tiny", ["eager", "mxgraph-python"], 3, batch_size=2,
+                               seq_len=16, layers=1)
+    assert sorted(times) == ["eager", "mxgraph-python"]
+    assert all(len(ms) == 3 and min(ms) > 0 for ms in times.values())
+    assert bench.paired(times, "eager", "eager") == 1.0
+    assert bench.paired({"a": [2.0, 4.0, 9.0], "b": [1.0, 4.0, 3.0]}, "b", "a") == 2.0
+    assert bench.paired(times, "eager", "inductor") is None
+
+
 def test_kernels_llama_fusion(load, tmp_path):
     """The end-to-end suite (`run(step=step)`): llama-tiny on the CPU, fusion off and on."""
     out = tmp_path / "fusion.json"
