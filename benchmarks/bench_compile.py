@@ -250,7 +250,8 @@ def main(argv=None) -> int:
                         help="comma-separated, of " + "; ".join(f"{k}: {v}" for k, v in RUNNERS.items()))
     parser.add_argument("--steps", type=int, default=10, help="timed steps per runner")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="runs of every (model, runner), interleaved; the fastest counts")
+                        help="runs of every (model, runner), interleaved; the fastest counts "
+                             "(0: none, with --side-by-side alone)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--device", default="cpu", help="cpu or cuda (a GPU, MXMACA's too)")
@@ -333,7 +334,8 @@ def main(argv=None) -> int:
             continue
         side[model_name] = json.loads(lines[0][5:])
     rows = write_rows(args, pairs, best, rounds, side)
-    print_table(rows)
+    if args.rounds:
+        print_table(rows)
     print_side_by_side(side, args.side_by_side)
     return 0
 
