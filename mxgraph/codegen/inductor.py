@@ -197,21 +197,23 @@ def _donate(traced: GraphModule, examples: list, donated: list[bool] | None, fak
     """Inductor told which of `traced`'s inputs it may reuse for its own results: as
     torch.compile's backward (AOTAutograd's donated buffers), through a tracing context
     whose forward metadata names them; it reads that only for a backward graph, so the
-    program is compiled as one. Only for a graph of tensors of static shapes (a backward
-    reads its sizes from other places). A donated input is renamed `donated_<i>`, so that
+    program is compiled as one. Sizes may be symbolic (expert parallelism's tokens received),
+    but a size input must be one symbol: a backward binds it as its expression where a
+    forward binds it by its symbol. A donated input is renamed `donated_<i>`, so that
     the FX graph cache never hands this code to the same graph without them. Yields whether
     anything is donated."""
     sizes = [len(tree_flatten(v)[0]) for v in examples]
-    flags = [bool(d) and isinstance(v, torch.Tensor) and not v._has_symbolic_sizes_strides
+    flags = [bool(d) and isinstance(v, torch.Tensor)
              for v, d in zip(examples, donated or [False] * len(examples), strict=True)]
     indices, at = [], 0
     for size, flag in zip(sizes, flags, strict=True):
         if flag:
             indices.append(at)
         at += size
-    static = all(isinstance(v, torch.Tensor) and not v._has_symbolic_sizes_strides
-                 for v in tree_flatten(examples)[0])
-    if not indices or not static or torch._guards.TracingContext.try_get() is not None:
+    # a backward binds a size input as its expression: only one that is a single symbol
+    sizes_bind = all(not isinstance(v, torch.SymInt) or v.node.expr.is_Symbol or v.node.expr.is_Integer
+                     for v in tree_flatten(examples)[0])
+    if not indices or not sizes_bind or torch._guards.TracingContext.try_get() is not None:
         yield False
         return
     for i, node in enumerate(traced.graph.find_nodes(op="placeholder")):
