@@ -138,9 +138,8 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
     ops (kernels on a GPU) that took the most time, per step (`top_ops`), and how many ran
     (`ops_per_step`)."""
     import torch
-    step, sync, model, x, flops_per_token = build(model_name, runner, batch_size, seq_len,
+    step, sync, model, _, flops_per_token = build(model_name, runner, batch_size, seq_len,
                                                   device, dtype, layers)
-    batch_size, seq_len = x.shape
     gpu = device != "cpu"
     start = time.perf_counter()
     step()
@@ -291,11 +290,7 @@ def main(argv=None) -> int:
     rounds = {pair: [] for pair in pairs}  # step ms of every round that ran
     for round_ in range(args.rounds):
         for model_name, runner in pairs:
-            command = [sys.executable, __file__, "--one", model_name, runner,
-                       "--steps", str(args.steps), "--batch-size", str(args.batch_size),
-                       "--seq-len", str(args.seq_len), "--device", args.device,
-                       "--dtype", args.dtype]
-            command += [] if args.layers is None else ["--layers", str(args.layers)]
+            command = _child(args, "--one", model_name, runner, "--steps", str(args.steps))
             command += ["--profile", str(args.profile)] if args.profile else []
             print(f"round {round_ + 1}/{args.rounds}: {model_name} / {runner} ...",
                   file=sys.stderr, flush=True)
@@ -322,10 +317,8 @@ def main(argv=None) -> int:
     for model_name in dict.fromkeys(m for m, _ in pairs) if args.side_by_side else ():
         print(f"side by side: {model_name}, {args.side_by_side} passes ...", file=sys.stderr,
               flush=True)
-        command = [sys.executable, __file__, "--all-in-one", model_name, "--runners", args.runners,
-                   "--side-by-side", str(args.side_by_side), "--batch-size", str(args.batch_size),
-                   "--seq-len", str(args.seq_len), "--device", args.device, "--dtype", args.dtype]
-        command += [] if args.layers is None else ["--layers", str(args.layers)]
+        command = _child(args, "--all-in-one", model_name, "--runners", args.runners,
+                         "--side-by-side", str(args.side_by_side))
         result = subprocess.run(command, capture_output=True, text=True,
                                 env=dict(os.environ, PYTHONPATH=str(ROOT)))
         lines = [l for l in result.stdout.splitlines() if l.startswith("SIDE ")]
@@ -338,6 +331,14 @@ def main(argv=None) -> int:
         print_table(rows)
     print_side_by_side(side, args.side_by_side)
     return 0
+
+
+def _child(args, *words: str) -> list[str]:
+    """The command line of a subprocess of this benchmark: `words`, then the batch, device,
+    dtype and layers of `args`."""
+    command = [sys.executable, __file__, *words, "--batch-size", str(args.batch_size),
+               "--seq-len", str(args.seq_len), "--device", args.device, "--dtype", args.dtype]
+    return command + ([] if args.layers is None else ["--layers", str(args.layers)])
 
 
 def print_side_by_side(side: dict, passes: int) -> None:

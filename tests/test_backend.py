@@ -4,7 +4,6 @@ Gradients and parameters within 1e-6 of eager under Python codegen (the same ATe
 1e-4 under MXGRAPH_CODEGEN=inductor (Inductor's fused loops sum in another order, as
 torch.compile's own; gradients 4x that after the first AdamW step, `drift_tol`)."""
 import operator
-import os
 import subprocess
 import sys
 import textwrap
@@ -12,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.helpers import INDUCTOR_DRIFT
+from tests.helpers import INDUCTOR_DRIFT, INDUCTOR_FLOOR, codegen_tol, under_inductor
 
 SCRIPT = textwrap.dedent("""
     import copy, sys, torch
@@ -77,10 +76,9 @@ def run(script: str) -> str:
 
 @pytest.mark.parametrize("name", ["llama-tiny", "moe-tiny", "gpt-tiny"])
 def test_backend_matches_eager(name):
-    inductor = os.environ.get("MXGRAPH_CODEGEN") == "inductor"
-    tol = 1e-4 if inductor else 1e-6
-    assert "PARITY OK" in run(SCRIPT.format(name=name, tol=tol, drift=INDUCTOR_DRIFT if inductor else 1,
-                                            floor=1e-3 if inductor else 0.0))
+    inductor = under_inductor()
+    assert "PARITY OK" in run(SCRIPT.format(name=name, tol=codegen_tol(1e-6), drift=INDUCTOR_DRIFT if inductor else 1,
+                                            floor=INDUCTOR_FLOOR if inductor else 0.0))
 
 
 def test_backend_handles_graph_breaks():
