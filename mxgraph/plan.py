@@ -98,8 +98,9 @@ class Plan:
     """Backward nodes between the prefetch of an offloaded value and its first use."""
     fusion: bool | str = False
     """Flash Fusion: True = the fused kernels that pay on the device (under Inductor
-    codegen on an NVIDIA GPU, the kinds whose kernels Inductor's own code beats are left to
-    it: `passes.fusion.fuse.LEFT_TO_INDUCTOR`, named in the dump), False = none, or a comma
+    codegen, the kinds whose kernels Inductor's own code beats there are left to it: on an
+    NVIDIA GPU most, on the CPU gqa, `passes.fusion.fuse.LEFT_TO_INDUCTOR`, named in the
+    dump), False = none, or a comma
     list of names (`FUSION_KINDS`), each fused as asked."""
     codegen: str = "auto"
     """How each program (a stage's F, B and W pieces) runs: "python" (fx's Python code, one

@@ -20,6 +20,7 @@ from mxgraph.passes.memory.offload import offload_pass
 from mxgraph.passes.memory.remat import remat_pass
 from mxgraph.passes.moe.capacity import moe_capacity_pass
 from mxgraph.passes.monitor_points import monitor_points_step
+from mxgraph.passes.native_gqa import native_gqa_pass
 from mxgraph.passes.overlap.async_collectives import overlap_async_pass
 from mxgraph.passes.overlap.moe import overlap_moe_pass
 from mxgraph.passes.overlap.reorder import overlap_reorder_pass
@@ -59,6 +60,10 @@ FORWARD_PASSES = [
     PassSpec("fuse", fuse_pass, "forward",
              "before autograd: AOTAutograd derives each fused op's backward from its formula",
              adds_random=True),  # a fused bias-dropout-add replaces a dropout
+    PassSpec("native_gqa", native_gqa_pass, "forward",
+             "after fuse (its Repeat-GQA kernel goes first) and the sharding passes (they "
+             "see the repeat as traced, on local heads), before autograd: under Inductor "
+             "codegen SDPA reads shared K/V heads and its backward sums their gradients"),
     PassSpec("overlap_tp", overlap_tp_pass, "forward",
              "after sharding and fusion (it splits the linear layers that stay plain around "
              "the SP collectives), before autograd: the chunks' backward is derived chunked"),

@@ -261,7 +261,7 @@ class RoPE(Pattern):
 
 
 # ---- Repeat-GQA ----------------------------------------------------------------------------
-def _unrepeat(node):
+def unrepeat(node):
     """(base, rep, head_dim, layout ops, nodes) when `node` is, through transposes/permutes,
     a repeat of `base`'s heads: repeat_interleave(base, rep, dim) or
     reshape(expand(unsqueeze(base, h + 1), ...)) merging dims h and h + 1."""
@@ -297,7 +297,7 @@ def _unrepeat(node):
     return None
 
 
-def _moves_to(layout, h: int, ndim: int):
+def moves_to(layout, h: int, ndim: int):
     """The dim that `h` lands on after the transposes/permutes of `layout` (base outward)."""
     perm = list(range(ndim))
     for op in layout:
@@ -339,11 +339,11 @@ class RepeatGQA(Pattern):
                 return None
             return Match(node, [node], {"q": q, "k": (k, 1, 1, [], []), "v": (v, 1, 1, [], []),
                                         "scale": scale, "causal": causal})
-        found_k, found_v = _unrepeat(k), _unrepeat(v)
+        found_k, found_v = unrepeat(k), unrepeat(v)
         if found_k is None or found_v is None or found_k[1] != found_v[1] or found_k[1] < 2:
             return None
         for _base, _rep, h, layout, _ in (found_k, found_v):
-            if _moves_to(layout, h, 4) != 1:
+            if moves_to(layout, h, 4) != 1:
                 return None
         nodes = [node] + found_k[4] + found_v[4]
         if not all(only_users(n, set(nodes)) for n in nodes[1:]):
