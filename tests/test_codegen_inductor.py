@@ -230,3 +230,34 @@ def test_outputs_keep_the_layout_later_programs_were_compiled_for():
     for value, want, recorded in zip(got, program(x), (out[0], out[1]), strict=True):
         assert value.stride() == recorded.meta["val"].stride()
         assert torch.allclose(value, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_program_without_donated_inputs_is_served_by_the_fx_graph_cache():
+    """Inductor's FX graph cache needs a shape environment from a tracing context; a program
+    that donates nothing (every F) had none and was compiled from scratch in every process
+    (11 s of the 21 s hf-llama-20m took to compile). Compiled twice, the second compile is a
+    cache hit and neither bypasses the cache."""
+    from torch._dynamo.utils import counters
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from mxgraph.codegen.inductor import compile_graph
+
+    def program(x, w):
+        return (torch.relu(x @ w) * 3.0).sum(-1), x.cos()
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        x, w = torch.empty(6, 4), torch.empty(4, 5)
+    gm = make_fx(program)(x, w)
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), (x, w), strict=True):
+        node.meta["val"] = value
+    bypassed = counters["inductor"]["fxgraph_cache_bypass"]
+    compile_graph(gm, [x, w])
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    fn, _ = compile_graph(gm, [x, w])
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1
+    assert counters["inductor"]["fxgraph_cache_bypass"] == bypassed
+    a, b = torch.randn(6, 4), torch.randn(4, 5)
+    for got, want in zip(fn(a, b), program(a, b), strict=True):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -194,14 +194,20 @@ def _as_recorded(value, recorded):
 
 @contextlib.contextmanager
 def _donate(traced: GraphModule, examples: list, donated: list[bool] | None, fake_mode):
-    """Inductor told which of `traced`'s inputs it may reuse for its own results: as
-    torch.compile's backward (AOTAutograd's donated buffers), through a tracing context
-    whose forward metadata names them; it reads that only for a backward graph, so the
-    program is compiled as one. Sizes may be symbolic (expert parallelism's tokens received),
-    but a size input must be one symbol: a backward binds it as its expression where a
-    forward binds it by its symbol. A donated input is renamed `donated_<i>`, so that
+    """A tracing context for `compile_fx_inner` (torch.compile's own where one is active:
+    the mxmaca backend). It carries the program's fake mode, whose shape environment
+    Inductor's FX graph cache needs (without one the cache is bypassed and every compile
+    starts from scratch). It also tells Inductor which of `traced`'s inputs it may reuse for
+    its own results: as torch.compile's backward (AOTAutograd's donated buffers), through
+    forward metadata that names them; Inductor reads that only for a backward graph, so such
+    a program is compiled as one. Sizes may be symbolic (expert parallelism's tokens
+    received), but a size input must be one symbol: a backward binds it as its expression
+    where a forward binds it by its symbol. A donated input is renamed `donated_<i>`, so that
     the FX graph cache never hands this code to the same graph without them. Yields whether
     anything is donated."""
+    if torch._guards.TracingContext.try_get() is not None or fake_mode is None:
+        yield False
+        return
     sizes = [len(tree_flatten(v)[0]) for v in examples]
     flags = [bool(d) and isinstance(v, torch.Tensor)
              for v, d in zip(examples, donated or [False] * len(examples), strict=True)]
@@ -213,17 +219,16 @@ def _donate(traced: GraphModule, examples: list, donated: list[bool] | None, fak
     # a backward binds a size input as its expression: only one that is a single symbol
     sizes_bind = all(not isinstance(v, torch.SymInt) or v.node.expr.is_Symbol or v.node.expr.is_Integer
                      for v in tree_flatten(examples)[0])
-    if not indices or not sizes_bind or torch._guards.TracingContext.try_get() is not None:
-        yield False
-        return
-    for i, node in enumerate(traced.graph.find_nodes(op="placeholder")):
-        if i in indices:
-            node.target = f"donated_{i}"
-    traced.recompile()
     context = torch._guards.TracingContext(fake_mode)
-    context.fw_metadata = _Donated(indices)
+    donating = bool(indices) and sizes_bind
+    if donating:
+        for i, node in enumerate(traced.graph.find_nodes(op="placeholder")):
+            if i in indices:
+                node.target = f"donated_{i}"
+        traced.recompile()
+        context.fw_metadata = _Donated(indices)
     with torch._guards.tracing(context):
-        yield True
+        yield donating
 
 
 class _Donated:
