@@ -1,8 +1,8 @@
 """The estimators model Inductor codegen's auto remat (passes/memory/auto_remat.py) where
 the device they stand for runs it: the search's layer traces and `estimate_memory` save
 less under it, and the search prices its recomputed values and decomposed ops as the
-fused kernels Inductor makes of them (the priced work stays that of Python codegen)."""
-import pytest
+fused kernels Inductor makes of them (the priced work stays that of Python codegen, less
+the K/V head repeats native_gqa drops)."""
 import torch
 
 import models
@@ -24,8 +24,9 @@ def test_search_traces_save_less_and_price_the_same_work(monkeypatch):
     for key, part in plain.parts.items():
         other = auto.parts[key]
         assert sorted(part.gemms) == sorted(other.gemms) and part.attention == other.attention
-        # memory-bound bytes: the same kernels, a decomposed softmax or loss priced as one
-        assert sum(other.memory) == pytest.approx(sum(part.memory), rel=0.01), key
+        # memory-bound bytes: the same kernels, a decomposed softmax or loss priced as one,
+        # less the K/V head repeats that native_gqa hands to SDPA (a few % of a tiny layer)
+        assert 0.9 * sum(part.memory) <= sum(other.memory) <= 1.01 * sum(part.memory), key
 
 
 def test_estimate_memory_follows_the_plans_codegen():

@@ -10,9 +10,10 @@ graph is built. Fused nodes carry `meta["custom"]["tags"] = (..., "fused:<kind>"
 and the fused op itself `meta["custom"]["fused_from"]`, the names of the nodes it replaced.
 A rewrite the fused op refuses is undone with a warning (the graph stays correct).
 
-`fusion=True` under Inductor codegen leaves to Inductor the kinds whose fused kernels
-(on the CPU: references) lose to Inductor's code for the same pattern on that device (`LEFT_TO_INDUCTOR`, measured;
-`fusion_policy`); the pass's record names them. A plan that names kinds gets those kinds.
+`fusion=True` under Inductor codegen leaves to Inductor the kinds whose fused kernels (on
+the CPU: their references) lose to Inductor's code for the same pattern on that device
+(`LEFT_TO_INDUCTOR`, measured; `fusion_policy`); the pass's record names them. A plan that
+names kinds gets those kinds.
 """
 from __future__ import annotations
 
