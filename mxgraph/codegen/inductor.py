@@ -111,7 +111,7 @@ def compile_graph(gm: GraphModule, examples: list, donated: list[bool] | None = 
     """(the compiled function, Inductor's output code): `gm` decomposed with Inductor's
     table and compiled by `compile_fx_inner` for inputs like `examples` (real or fake
     values; tuples flattened around Inductor). NotLowered when Inductor refuses it.
-    `donated[i]`: example i is a tensor the compiled code may write over (`_donate`).
+    `donated[i]`: example i is a tensor the compiled code may write over (`_tracing_context`).
     `backward`: an AOTAutograd backward, whose donated inputs its tracing context names."""
     if any(v is None for v in examples):
         raise NotLowered("a value it reads has no recorded example")
@@ -151,7 +151,7 @@ def compile_graph(gm: GraphModule, examples: list, donated: list[bool] | None = 
             # compile_fx_inner after it (a dropout is refused without it)
             with V.set_fake_mode(fake_mode or FakeTensorMode()):
                 traced = joint_graph_passes(traced)
-            with _donate(traced, examples, donated, fake_mode) as donating:
+            with _tracing_context(traced, examples, donated, fake_mode) as donating:
                 compiled = compile_fx_inner(traced, leaves, is_backward=backward or donating)
     except Exception as error:  # noqa: BLE001 - reported by the caller, which falls back
         raise NotLowered(f"Inductor refused it: {type(error).__name__}: "
@@ -193,7 +193,7 @@ def _as_recorded(value, recorded):
 
 
 @contextlib.contextmanager
-def _donate(traced: GraphModule, examples: list, donated: list[bool] | None, fake_mode):
+def _tracing_context(traced: GraphModule, examples: list, donated: list[bool] | None, fake_mode):
     """A tracing context for `compile_fx_inner` (torch.compile's own where one is active:
     the mxmaca backend). It carries the program's fake mode, whose shape environment
     Inductor's FX graph cache needs (without one the cache is bypassed and every compile

@@ -10,8 +10,8 @@ the backward a sum of each group's repeated gradients, where SDPA's kernels read
 heads in place and accumulate their gradients as they go.
 
 Each SDPA without a mask or dropout whose K and V are both repeats of their heads by the
-same factor (through transposes/permutes that bring the head dim to dim 1: `unrepeat`, the
-Repeat-GQA fusion's matcher) reads the un-repeated K and V with `enable_gqa=True`; the
+same factor (through transposes/permutes that bring the head dim to dim 1: `repeated_kv`,
+the Repeat-GQA fusion's matcher) reads the un-repeated K and V with `enable_gqa=True`; the
 repeats are dropped when nothing else reads them. The forward is bitwise the same; the K/V
 gradients are summed in another order (about 1 ulp).
 
@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Node
 
 from mxgraph.context import CompileContext
 from mxgraph.ir import graph_device, insert_call, schema_arg
-from mxgraph.passes.fusion.attention import moves_to, unrepeat
+from mxgraph.passes.fusion.attention import repeated_kv
 from mxgraph.passes.fusion.rewriter import erase_dead, shape
 
 aten = torch.ops.aten
@@ -88,10 +88,8 @@ def _repeats(node: Node):
     q, k, v = node.args[:3]
     if len(shape(q) or ()) != 4 or shape(q)[:2] != shape(k)[:2] or shape(k) != shape(v):
         return None
-    found = [unrepeat(k), unrepeat(v)]
-    if any(f is None for f in found) or found[0][1] != found[1][1] or found[0][1] < 2:
-        return None
-    if any(moves_to(layout, h, 4) != 1 for _, _, h, layout, _ in found):
+    found = repeated_kv(k, v)
+    if found is None:
         return None
     return [(base, layout, nodes) for base, _, _, layout, nodes in found]
 

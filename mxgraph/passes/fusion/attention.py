@@ -261,7 +261,7 @@ class RoPE(Pattern):
 
 
 # ---- Repeat-GQA ----------------------------------------------------------------------------
-def unrepeat(node):
+def _unrepeat(node):
     """(base, rep, head_dim, layout ops, nodes) when `node` is, through transposes/permutes,
     a repeat of `base`'s heads: repeat_interleave(base, rep, dim) or
     reshape(expand(unsqueeze(base, h + 1), ...)) merging dims h and h + 1."""
@@ -297,7 +297,7 @@ def unrepeat(node):
     return None
 
 
-def moves_to(layout, h: int, ndim: int):
+def _moves_to(layout, h: int, ndim: int):
     """The dim that `h` lands on after the transposes/permutes of `layout` (base outward)."""
     perm = list(range(ndim))
     for op in layout:
@@ -307,6 +307,17 @@ def moves_to(layout, h: int, ndim: int):
         else:
             perm = [perm[norm_dim(d, ndim)] for d in op.args[1]]
     return perm.index(h)
+
+
+def repeated_kv(k, v):
+    """(K's, V's `_unrepeat` findings) when `k` and `v` of a [B, H, S, D] attention both
+    repeat their heads by one factor of at least 2, the head dim landing on dim 1; else None."""
+    found = _unrepeat(k), _unrepeat(v)
+    if found[0] is None or found[1] is None or found[0][1] != found[1][1] or found[0][1] < 2:
+        return None
+    if any(_moves_to(layout, h, 4) != 1 for _, _, h, layout, _ in found):
+        return None
+    return found
 
 
 class RepeatGQA(Pattern):
@@ -339,12 +350,10 @@ class RepeatGQA(Pattern):
                 return None
             return Match(node, [node], {"q": q, "k": (k, 1, 1, [], []), "v": (v, 1, 1, [], []),
                                         "scale": scale, "causal": causal})
-        found_k, found_v = unrepeat(k), unrepeat(v)
-        if found_k is None or found_v is None or found_k[1] != found_v[1] or found_k[1] < 2:
+        found = repeated_kv(k, v)
+        if found is None:
             return None
-        for _base, _rep, h, layout, _ in (found_k, found_v):
-            if moves_to(layout, h, 4) != 1:
-                return None
+        found_k, found_v = found
         nodes = [node] + found_k[4] + found_v[4]
         if not all(only_users(n, set(nodes)) for n in nodes[1:]):
             return None
