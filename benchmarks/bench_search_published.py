@@ -189,10 +189,11 @@ def summary_of(rows: list[dict]) -> dict:
 def print_table(rows: list[dict], summary: dict) -> None:
     width = max(len(r["what"]) for r in rows)
     layout_width = max(len(r["layout"]) for r in rows)
-    print(f"{'run':<{width}}  {'device':<9} {'layout':<{layout_width}}  {'published':>9} "
+    device_width = max(len(r["device"]) for r in rows)
+    print(f"{'run':<{width}}  {'device':<{device_width}} {'layout':<{layout_width}}  {'published':>9} "
           f"{'predicted':>9} {'error':>7}")
     for r in rows:
-        print(f"{r['what']:<{width}}  {r['device']:<9} {r['layout']:<{layout_width}}  "
+        print(f"{r['what']:<{width}}  {r['device']:<{device_width}} {r['layout']:<{layout_width}}  "
               f"{r['published_tokens_per_s_per_gpu']:>9.1f} "
               f"{r['predicted_tokens_per_s_per_gpu']:>9.1f} {r['error']:>+7.1%}")
     print(f"tokens/s/GPU over {summary['rows']} rows: median |error| "

@@ -21,7 +21,8 @@ from mxgraph.errors import PlanError
 from mxgraph.plan_options import DROP_POLICIES, MoEOptions, OverlapOptions
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "dualpipev")
-RECOMPUTE_KINDS = ("norm", "act", "attn", "mlp", "moe_light", "moe_medium", "moe_full", "full")
+RECOMPUTE_KINDS = ("norm", "act", "attn", "mlp", "moe_light", "moe_medium", "moe_full", "op_sac",
+                   "full")
 OFFLOAD_KINDS = ("all", "attn", "mlp", "norm", "act", "moe")
 CODEGENS = ("auto", "python", "inductor")
 """`Plan.codegen` choices."""
@@ -86,7 +87,11 @@ class Plan:
     """Pad the layer count with placeholder layers so every virtual stage is even."""
     recompute: str = ""
     """Comma-separated recompute policy: norm, act, attn, mlp, moe_light, moe_medium,
-    moe_full, full; empty = save everything."""
+    moe_full, op_sac, full; empty = save everything. `op_sac` is torchtitan's per-op
+    selective checkpointing (`selective_ac_option = "op"`): each layer recomputes
+    everything but its outputs, its attention outputs and every other projection's output
+    (the 1st, 3rd, ... in forward order), so the backward reruns the even-numbered
+    projections' GEMMs too."""
     recompute_stages: dict[int, str] = field(default_factory=dict)
     """Per-stage override of `recompute`, e.g. {0: "full"}."""
     memory_budget: int | None = None

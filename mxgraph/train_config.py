@@ -116,7 +116,7 @@ class TrainConfig:
     (metrics.jsonl), tensorboard (event files; needs pip install mxgraph[metrics])."""
     device_profile: str | None = None
     """Device profile whose peak_flops MFU divides by: a built-in name (a100-80gb, h100-sxm,
-    h800, metax-c500, cpu) or a TOML device file (as mxgraph search --device); default: the
+    h100-hbm2e-500w, h800, metax-c500, cpu) or a TOML device file (as mxgraph search --device); default: the
     profile of this device's name (cpu on the CPU). MFU = model FLOPs per token (6 x the
     parameters of a token's matmuls, active experts only, + 12 x layers x width x seq_len)
     x tokens/s of all data-parallel ranks / (peak_flops x processes)."""

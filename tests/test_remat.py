@@ -6,7 +6,9 @@ import torch
 import models
 import mxgraph as mx
 from mxgraph.errors import PlanError
+from mxgraph.ir import ATTENTION_OPS, is_backward, packet
 from mxgraph.memory_saved import estimate_saved, measure_step, relative_gap
+from mxgraph.passes.memory.regions import Graph, layer_of
 from tests.helpers import batch
 
 SMALL = {"llama-tiny": dict(n_layers=2), "gpt-tiny": dict(n_layers=2, dropout=0.1),
@@ -55,6 +57,7 @@ def saved(result) -> int:
 
 
 @pytest.mark.parametrize("name,chain", [
+    ("llama-tiny", ["", "norm,act", "op_sac", "full"]),
     ("llama-tiny", ["", "norm,act", "norm,act,attn", "full"]),
     ("gpt-tiny", ["", "norm,act", "norm,act,attn", "full"]),
     ("moe-tiny", ["", "moe_light", "moe_medium", "moe_full"]),
@@ -77,6 +80,29 @@ def test_single_kinds_bitwise_and_save_memory(name, policy):
     result = run(name, mx.Plan(recompute=policy))
     assert_bitwise(name, result)
     assert saved(result) < saved(baseline(name))
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
+def test_op_sac_recomputes_every_other_projection(name):
+    # torchtitan's op policy: per layer the 1st, 3rd, ... projection and attention stay
+    # saved; the 2nd, 4th, ... projection is recomputed in the backward
+    result = run(name, mx.Plan(recompute="op_sac"))
+    assert_bitwise(name, result)
+    torch.manual_seed(0)
+    step = mx.compile(models.build_model(name, **SMALL[name]), mx.Plan(recompute="op_sac"))
+    step(*batch(seq_len=16))
+    gm = step.executors()[0].stages[0].joint.gm
+    g = Graph(gm)
+    for layer in range(SMALL[name]["n_layers"]):
+        projections = [n for n in g.forward if g.is_projection(n) and layer_of(n) == layer]
+        cloned = {n.meta["recomputed_from"] for n in gm.graph.nodes if n.meta.get("recomputed_from")}
+        read = [p for p in projections if any(is_backward(u) for u in p.users)] + [
+            p for p in projections if p.name in cloned]  # a clone took the backward's reads
+        assert len(projections) >= 4, len(projections)
+        assert [p.name in cloned for p in projections if p in read] == [
+            i % 2 == 1 for i, p in enumerate(projections) if p in read]
+        assert any(p.name in cloned for p in projections)
+    assert not any(n.meta.get("recomputed_from") and packet(n) in ATTENTION_OPS for n in gm.graph.nodes)
 
 
 def test_per_stage_override():

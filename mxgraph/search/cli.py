@@ -38,7 +38,7 @@ def add_search_parser(commands, parents, library) -> None:
                    "TOML model file: family = \"gpt\"|\"llama\"|\"moe\" plus that family's "
                    "config fields")
     p.add_argument("--gpus", type=int, help="number of devices (ranks) of the job")
-    p.add_argument("--device", default="h800", help="built-in profile (a100-80gb, h100-sxm, "
+    p.add_argument("--device", default="h800", help="built-in profile (a100-80gb, h100-sxm, h100-hbm2e-500w, "
                    "h800, metax-c500, cpu) or a TOML device file (see --calibrate); "
                    "default h800")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step, over "

@@ -71,6 +71,21 @@ H100 = DeviceProfile(
         "comm_efficiency": _NCCL,
     })
 
+H100_GT = dataclasses.replace(
+    H100, name="h100-hbm2e-500w", peak_flops=912e12, hbm_bytes=96e9, hbm_bw=2.4e12,
+    fp8_flops=1824e12,
+    sources={**H100.sources,
+             "peak_flops": "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton "
+                           "H100s at their default 500 W limit): the peak is between the SXM "
+                           "part's 989 and the NVL's 835 TFLOPS bf16 dense (H100 NVL datasheet: "
+                           "1,671 with sparsity) and not known exactly; their midpoint taken",
+             "fp8_flops": "twice the bf16 peak, as on every H100 datasheet",
+             "hbm": "the same page: 96 GB HBM2e, 2.4 TB/s",
+             "gemm_efficiency": "as h100-sxm, of this part's peak",
+             "attention_efficiency": "as h100-sxm, of this part's peak"})
+"""The 500 W HBM2e H100 of Meta's Grand Teton hosts (torchtitan's H100 benchmarks); the rest
+as h100-sxm (the same die, NVLink and 400 Gb/s RDMA per GPU)."""
+
 H800 = DeviceProfile(
     name="h800", peak_flops=989e12, hbm_bytes=80e9, hbm_bw=3.35e12, gpus_per_node=8,
     intra_link="nvlink", intra_bw=200e9, intra_latency_s=3e-6, inter_bw=50e9,
@@ -123,7 +138,7 @@ CPU = DeviceProfile(
                "replace with mxgraph search --calibrate cpu --nproc 4 (writes a device TOML)",
     })
 
-BUILTIN: dict[str, DeviceProfile] = {p.name: p for p in (A100, H100, H800, METAX_C500, CPU)}
+BUILTIN: dict[str, DeviceProfile] = {p.name: p for p in (A100, H100, H100_GT, H800, METAX_C500, CPU)}
 
 
 def load_device(name_or_path: str) -> DeviceProfile:

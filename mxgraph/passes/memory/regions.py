@@ -35,6 +35,10 @@ their names:
   **moe_light** = block minus projections, plus the router projection;
   **moe_medium** = light + expert first projections + shared-expert units;
   **moe_full** = the whole block.
+* **op_sac** - torchtitan's per-op selective checkpointing (`selective_ac_option = "op"`):
+  a layer's full unit (below) less the outputs it saves: attention ops' (SDPA, fused
+  attention) and every other projection's, counted in forward order within the layer
+  (the 1st, 3rd, ... stay saved; the 2nd, 4th, ... are recomputed with everything else).
 * **full** - every forward node of one layer (`meta["custom"]["layer"]`) except the
   layer's outputs (values read by another layer), which stay saved as checkpoints.
 
@@ -421,6 +425,18 @@ def full_units(g: Graph) -> list[set]:
     return units
 
 
+def op_sac_units(g: Graph) -> list[set]:
+    """A full unit less attention outputs and the odd-numbered projections of its layer
+    (module docstring): what torchtitan's op policy saves."""
+    units = []
+    for unit in full_units(g):
+        projections = sorted((n for n in unit if g.is_projection(n)), key=g.order.__getitem__)
+        attention = {n for n in unit if n.op == "call_function" and (
+            packet(n) in ATTENTION_OPS or fused_kind(n) == "attn")}
+        units.append(unit - g.with_aliases(set(projections[0::2]) | attention))
+    return units
+
+
 def all_units(gm: torch.fx.GraphModule, kinds) -> list[Unit]:
     """Units of the given kinds (a subset of RECOMPUTE_KINDS)."""
     g = Graph(gm)
@@ -439,6 +455,8 @@ def all_units(gm: torch.fx.GraphModule, kinds) -> list[Unit]:
     for kind in ("moe_light", "moe_medium", "moe_full"):
         if kind in kinds:
             found += [(kind, u) for u in moe[kind]]
+    if "op_sac" in kinds:
+        found += [("op_sac", u) for u in op_sac_units(g)]
     if "full" in kinds:
         found += [("full", u) for u in full_units(g)]
     units = []
