@@ -10,13 +10,16 @@ open (`lowered_by_inductor`): the joint graph is the same whichever codegen lowe
 Inductor's lowering of it (tens of seconds a model here) is the last test's."""
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import models
 import mxgraph as mx
 from mxgraph.memory_saved import measure_saved, step_joint
 from mxgraph.passes.memory import auto_remat
-from mxgraph.passes.memory.auto_remat import decompose_saved
+from mxgraph.passes.memory.auto_remat import decompose_saved, merge_duplicates
 from tests.helpers import batch
+
+aten = torch.ops.aten
 
 
 @pytest.fixture
@@ -62,6 +65,55 @@ def test_auto_remat_bitwise_and_saves_less(name, dtype, layers, inductor_gate):
         assert not any(isinstance(v := values[name], torch.Tensor) and v.dtype == torch.float32
                        and tuple(v.shape[-1:]) == (256,) for name, _ in after.values), after.values
     assert not any(n.target == torch.ops.aten._log_softmax.default for n in gm.graph.nodes)
+
+
+def test_repeated_forward_ops_are_merged_before_the_partitioner(monkeypatch, inductor_gate):
+    # each projection of a layer reshapes the normed input again; the partitioner's CSE names
+    # only one of them as saved, so without the merge the others (and the norm before them)
+    # were recomputed in the backward: more clones, no fewer saved bytes
+    _, (gm, inputs) = joint("llama-tiny", mx.Plan(codegen="python"), n_layers=2)
+    monkeypatch.setattr(auto_remat, "merge_duplicates", lambda gm: 0)
+    _, (unmerged, unmerged_inputs) = joint("llama-tiny", mx.Plan(codegen="python"), n_layers=2)
+    clones = [n for n in gm.graph.nodes if "recomputed_from" in n.meta]
+    unmerged_clones = [n for n in unmerged.graph.nodes if "recomputed_from" in n.meta]
+    assert len(clones) < len(unmerged_clones), (len(clones), len(unmerged_clones))
+    assert measure_saved(gm, inputs).device_bytes <= measure_saved(
+        unmerged, unmerged_inputs).device_bytes
+    assert merge_duplicates(gm) == 0  # nothing left to merge
+
+
+def _forward_graph(fn, *args):
+    gm = make_fx(fn)(*args)
+    for node in gm.graph.nodes:
+        node.meta["partitioner_tag"] = "is_forward"
+    return gm
+
+
+def test_merge_duplicates_merges_repeats_only_and_is_bitwise():
+    def fn(x, w):
+        a = (x * w).reshape(-1, 8)
+        b = (x * w).reshape(-1, 8)  # repeats a: merged
+        return a @ b.t(), x + 0.0, x + -0.0  # the adds differ in a zero's sign: kept apart
+    x, w = torch.randn(4, 8), torch.randn(8)
+    x[0, 0] = -0.0
+    gm = _forward_graph(fn, x, w)
+    expected = gm(x, w)
+    assert merge_duplicates(gm) == 2  # the mul and the reshape
+    assert len([n for n in gm.graph.nodes if n.target == aten.add.Tensor]) == 2
+    for out, ref in zip(gm(x, w), expected, strict=True):
+        assert torch.equal(out, ref) and torch.equal(out.signbit(), ref.signbit())
+    assert merge_duplicates(gm) == 0
+
+
+def test_a_tensor_concatenated_with_itself_is_decomposed_bitwise():
+    def fn(f):
+        return torch.cat((f, f), dim=-1).cos()  # a rotary embedding's angles
+    f = torch.randn(1, 16, 4)
+    gm = _forward_graph(fn, f)
+    expected = gm(f)
+    assert decompose_saved(gm) == 1
+    assert not any(n.target == aten.cat.default for n in gm.graph.nodes)
+    assert torch.equal(gm(f), expected)
 
 
 def test_auto_remat_is_off_under_python_codegen():
