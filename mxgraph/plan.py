@@ -104,8 +104,9 @@ class Plan:
     fusion: bool | str = False
     """Flash Fusion: True = the fused kernels that pay on the device (under Inductor
     codegen, the kinds whose kernels Inductor's own code beats there are left to it: on an
-    NVIDIA GPU most, on the CPU gqa, `passes.fusion.fuse.LEFT_TO_INDUCTOR`, named in the
-    dump), False = none, or a comma list of names (`FUSION_KINDS`), each fused as asked."""
+    NVIDIA GPU most, on the CPU gqa, swiglu, rope and linear_cross_entropy:
+    `passes.fusion.fuse.LEFT_TO_INDUCTOR`, named in the dump), False = none, or a comma
+    list of names (`FUSION_KINDS`), each fused as asked."""
     codegen: str = "auto"
     """How each program (a stage's F, B and W pieces) runs: "python" (fx's Python code, one
     ATen call per line), "inductor" (fused C++ loops on the CPU, Triton kernels on a GPU;

@@ -18,18 +18,24 @@ import torch
 
 import models
 import mxgraph as mx
+from mxgraph.passes.fusion.fuse import LEFT_TO_INDUCTOR
 from tests.helpers import assert_grads_close, batch, codegen_tol, drift_tol, grad_floor, rel_err, under_inductor
 from tests.test_fuse_forms import TOL, dump_counts
 
-GQA_FUSED = not under_inductor()
-"""fusion=True fuses gqa but under Inductor codegen on the CPU (`fuse.LEFT_TO_INDUCTOR`)."""
+LEFT = LEFT_TO_INDUCTOR["cpu"] if under_inductor() else frozenset()
+"""The kinds fusion=True leaves to Inductor codegen on the CPU (`fuse.LEFT_TO_INDUCTOR`)."""
+
+
+def kept(counts: dict) -> dict:
+    """Fused ops per kind that fusion=True leaves in the graph here (none of LEFT)."""
+    return {kind: n for kind, n in counts.items() if n and kind not in LEFT}
 
 
 def expected_counts(name: str, cfg) -> dict:
     """Fused ops per kind, from the model's structure."""
     layers = cfg.n_layers
     if name.startswith("llama"):
-        gqa = layers if cfg.n_kv_heads < cfg.n_heads and GQA_FUSED else 0
+        gqa = layers if cfg.n_kv_heads < cfg.n_heads else 0
         return {"swiglu": layers, "rmsnorm": 2 * layers + 1, "rope": layers, "gqa": gqa,
                 "linear_cross_entropy": 1}
     if name.startswith("moe"):
@@ -87,7 +93,7 @@ def test_preset_fusion_counts_and_parity(name, overrides, tmp_path):
     torch.manual_seed(0)
     model = models.build_model(name, **overrides)
     assert_fused_training_equals_eager(model, model.config.vocab_size, tmp_path)
-    expected = {k: v for k, v in expected_counts(name, model.config).items() if v}
+    expected = kept(expected_counts(name, model.config))
     assert dump_counts(tmp_path) == expected
 
 
@@ -124,8 +130,8 @@ def test_fused_nodes_carry_values_and_provenance():
     ctx = CompileContext.for_plan(mx.Plan(fusion=True))
     for spec in FORWARD_PASSES:
         gm = run_pass(spec, gm, ctx)
-    assert fused_counts(gm) == {"swiglu": 2, "rmsnorm": 5, "rope": 2, "linear_cross_entropy": 1,
-                                **({"gqa": 2} if GQA_FUSED else {})}
+    assert fused_counts(gm) == kept({"swiglu": 2, "rmsnorm": 5, "rope": 2, "linear_cross_entropy": 1,
+                                     "gqa": 2})
     names = {n.name for n in gm.graph.nodes}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.meta.get("created_by") != "fuse":
@@ -210,16 +216,15 @@ def test_hf_style_llama_fuses_every_site_and_trains_the_same(attention_bias, tmp
     model = HFLlama(attention_bias=attention_bias)
     assert_fused_training_equals_eager(model, 256, tmp_path)
     layers = len(model.layers)
-    assert dump_counts(tmp_path) == {"rmsnorm": 2 * layers + 1, "rope": layers,
-                                     **({"gqa": layers} if GQA_FUSED else {}),
-                                     "swiglu": layers, "linear_cross_entropy": 1}
+    assert dump_counts(tmp_path) == kept({"rmsnorm": 2 * layers + 1, "rope": layers, "gqa": layers,
+                                          "swiglu": layers, "linear_cross_entropy": 1})
 
 
 def test_fusion_policy_leaves_losing_kinds_to_inductor():
     """fusion=True under Inductor codegen on an NVIDIA GPU keeps only the kinds whose
-    kernels beat Inductor there (measured on an H200), on the CPU all but gqa (SDPA reads
-    shared K/V heads itself: native_gqa); Python codegen, MetaX and a plan that names its
-    kinds keep every kind asked for."""
+    kernels beat Inductor there (measured on an H200), on the CPU all but gqa, swiglu, rope
+    and linear_cross_entropy (measured side by side: bench_compile); Python codegen, MetaX
+    and a plan that names its kinds keep every kind asked for."""
     from mxgraph import Plan
     from mxgraph.passes.fusion.fuse import LEFT_TO_INDUCTOR, fusion_policy
     from mxgraph.plan import FUSION_KINDS
@@ -227,7 +232,8 @@ def test_fusion_policy_leaves_losing_kinds_to_inductor():
     kept, left = fusion_policy(everything, "nvidia", "inductor")
     assert kept == {"moe_permute", "moe_router"} and left == LEFT_TO_INDUCTOR["nvidia"]
     assert kept | left == set(FUSION_KINDS)
-    assert fusion_policy(everything, "cpu", "inductor") == (set(FUSION_KINDS) - {"gqa"}, {"gqa"})
+    cpu_left = {"gqa", "swiglu", "rope", "linear_cross_entropy"}
+    assert fusion_policy(everything, "cpu", "inductor") == (set(FUSION_KINDS) - cpu_left, cpu_left)
     for kind, codegen in (("nvidia", "python"), ("cpu", "python"), ("metax", "inductor")):
         assert fusion_policy(everything, kind, codegen) == (set(FUSION_KINDS), set())
     named = Plan(fusion="rmsnorm,moe_router")

@@ -47,19 +47,27 @@ PATTERNS: list[Pattern] = [
 
 LEFT_TO_INDUCTOR: dict[str, frozenset] = {"nvidia": frozenset({
     "swiglu", "bias_gelu", "bias_dropout_add", "rope", "gqa", "rmsnorm",
-    "linear_cross_entropy"}), "cpu": frozenset({"gqa"})}
-"""Device kind -> the fusion kinds whose Triton kernels lose to torch.compile of their
-reference there, forward + backward (benchmarks/bench_kernels.py, bf16, 16384 tokens x
-4096, NVIDIA H200, torch 2.11, 2026-12-04; fused / compile speed-ups over eager): swiglu
-0.89 / 1.09, bias_swiglu 1.03 / 2.24, bias_gelu 0.79 / 1.21, bias_dropout_add 0.65 / 0.96,
-rmsnorm 0.45 / 0.51, add_rmsnorm 0.99 / 1.21, rope 3.52 / 4.64, gqa attention 0.30 / 0.99,
-linear_cross_entropy 0.88 / 1.22 (the same peak memory). Kept: moe_permute (5.63 / 1.42) and
-moe_router (1.12 / 1.02). MetaX is not measured yet: every kind stays fused there.
-On the CPU the fused ops run their references, which Inductor fuses like any other code,
-but gqa's repeats K/V for eager SDPA's kernel, where `native_gqa` hands the same call
-SDPA's shared heads (benchmarks/bench_compile.py --side-by-side 40, hf-llama-20m and
-llama-20m, batch 4 x 256, 2026-12-05: fusion=True 0.983 / 0.995 of torch.compile's speed
-with gqa fused, fusion off 0.997 / 1.002)."""
+    "linear_cross_entropy"}), "cpu": frozenset({"gqa", "swiglu", "rope", "linear_cross_entropy"})}
+"""Device kind -> the fusion kinds whose kernels lose to torch.compile of their reference
+there, forward + backward.
+
+NVIDIA (benchmarks/bench_kernels.py, bf16, 16384 tokens x 4096, H200, torch 2.11,
+2026-12-04; fused / compile speed-ups over eager): swiglu 0.89 / 1.09, bias_swiglu 1.03 /
+2.24, bias_gelu 0.79 / 1.21, bias_dropout_add 0.65 / 0.96, rmsnorm 0.45 / 0.51, add_rmsnorm
+0.99 / 1.21, rope 3.52 / 4.64, gqa attention 0.30 / 0.99, linear_cross_entropy 0.88 / 1.22
+(the same peak memory). Kept: moe_permute (5.63 / 1.42) and moe_router (1.12 / 1.02).
+MetaX is not measured yet: every kind stays fused there.
+
+CPU: the fused ops run their references, which Inductor fuses like any other code, but the
+partitioner behind auto remat sees each as one opaque op, and some references cost more
+than the unfused graph: gqa's repeats K/V for eager SDPA's kernel (where `native_gqa` hands
+SDPA shared heads), linear_cross_entropy recomputes the logits' GEMM in the backward,
+swiglu's backward writes both gradients to buffers of their own. Measured with
+bench_compile's runners side by side (batch 4 x 256, paired median speed against fusion
+off, 2026-12-05): fusion=True 0.990 (0.984-0.993) on llama-20m and 1.003 (1.000-1.008) on
+hf-llama-20m; with only rmsnorm of those kinds fused 1.001 and 0.996, with rmsnorm and rope
+0.995 and 1.005. Kept: rmsnorm; bias_gelu, bias_dropout_add and the MoE kinds are not
+measured on the CPU."""
 
 
 def fusion_policy(plan, device_kind: str, codegen: str) -> tuple[set, set]:
