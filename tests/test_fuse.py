@@ -26,7 +26,7 @@ LEFT = LEFT_TO_INDUCTOR["cpu"] if under_inductor() else frozenset()
 """The kinds fusion=True leaves to Inductor codegen on the CPU (`fuse.LEFT_TO_INDUCTOR`)."""
 
 
-def kept(counts: dict) -> dict:
+def fused_here(counts: dict) -> dict:
     """Fused ops per kind that fusion=True leaves in the graph here (none of LEFT)."""
     return {kind: n for kind, n in counts.items() if n and kind not in LEFT}
 
@@ -93,7 +93,7 @@ def test_preset_fusion_counts_and_parity(name, overrides, tmp_path):
     torch.manual_seed(0)
     model = models.build_model(name, **overrides)
     assert_fused_training_equals_eager(model, model.config.vocab_size, tmp_path)
-    expected = kept(expected_counts(name, model.config))
+    expected = fused_here(expected_counts(name, model.config))
     assert dump_counts(tmp_path) == expected
 
 
@@ -217,8 +217,9 @@ def test_hf_style_llama_fuses_every_site_and_trains_the_same(attention_bias, tmp
     model = HFLlama(attention_bias=attention_bias)
     assert_fused_training_equals_eager(model, 256, tmp_path)
     layers = len(model.layers)
-    assert dump_counts(tmp_path) == kept({"rmsnorm": 2 * layers + 1, "rope": layers, "gqa": layers,
-                                          "swiglu": layers, "linear_cross_entropy": 1})
+    assert dump_counts(tmp_path) == fused_here({"rmsnorm": 2 * layers + 1, "rope": layers,
+                                                "gqa": layers, "swiglu": layers,
+                                                "linear_cross_entropy": 1})
 
 
 def test_fusion_policy_leaves_losing_kinds_to_inductor():

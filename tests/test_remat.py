@@ -6,9 +6,9 @@ import torch
 import models
 import mxgraph as mx
 from mxgraph.errors import PlanError
-from mxgraph.ir import ATTENTION_OPS, is_backward, packet
+from mxgraph.ir import is_backward
 from mxgraph.memory_saved import estimate_saved, measure_step, relative_gap
-from mxgraph.passes.memory.regions import Graph, layer_of
+from mxgraph.passes.memory.regions import Graph, is_attention, layer_of
 from tests.helpers import batch
 
 SMALL = {"llama-tiny": dict(n_layers=2), "gpt-tiny": dict(n_layers=2, dropout=0.1),
@@ -93,16 +93,47 @@ def test_op_sac_recomputes_every_other_projection(name):
     step(*batch(seq_len=16))
     gm = step.executors()[0].stages[0].joint.gm
     g = Graph(gm)
+    cloned = {n.meta["recomputed_from"] for n in gm.graph.nodes if n.meta.get("recomputed_from")}
     for layer in range(SMALL[name]["n_layers"]):
         projections = [n for n in g.forward if g.is_projection(n) and layer_of(n) == layer]
-        cloned = {n.meta["recomputed_from"] for n in gm.graph.nodes if n.meta.get("recomputed_from")}
         read = [p for p in projections if any(is_backward(u) for u in p.users)] + [
             p for p in projections if p.name in cloned]  # a clone took the backward's reads
         assert len(projections) >= 4, len(projections)
         assert [p.name in cloned for p in projections if p in read] == [
             i % 2 == 1 for i, p in enumerate(projections) if p in read]
         assert any(p.name in cloned for p in projections)
-    assert not any(n.meta.get("recomputed_from") and packet(n) in ATTENTION_OPS for n in gm.graph.nodes)
+    assert not any(n.meta.get("recomputed_from") and is_attention(n) for n in gm.graph.nodes)
+
+
+def test_op_sac_on_a_hugging_face_llama_trains_as_without_recompute():
+    """An HF Llama built with the library's defaults (sizes shrunk), in the README's order
+    (mx.compile with example=, AdamW over step.parameters()): 3 steps under op_sac give
+    losses and parameters bitwise equal to the same plan saving everything."""
+    pytest.importorskip("transformers")
+    from mxgraph.hf import TINY, build_hf_model
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def train(plan):
+        torch.manual_seed(0)
+        model = build_hf_model("hf:llama", TINY["llama"])
+        step = mx.compile(model, plan, example=(inputs, targets))
+        opt = torch.optim.AdamW(step.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(3):
+            losses.append(step(inputs, targets).detach())
+            opt.step()
+            opt.zero_grad()
+        return losses, [p.detach().clone() for p in step.parameters()], step
+
+    losses, params, step = train(mx.Plan(recompute="op_sac"))
+    base_losses, base_params, _ = train(mx.Plan(disable_passes=["auto_remat"]))
+    assert all(torch.equal(a, b) for a, b in zip(losses, base_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(params, base_params, strict=True))
+    gm = step.executors()[0].stages[0].joint.gm
+    g = Graph(gm)
+    cloned = {n.meta["recomputed_from"] for n in gm.graph.nodes if n.meta.get("recomputed_from")}
+    assert any(n.name in cloned for n in g.forward if g.is_projection(n))
 
 
 def test_per_stage_override():

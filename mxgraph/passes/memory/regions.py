@@ -83,6 +83,12 @@ def is_matmul(node: Node) -> bool:
                                            or fused_kind(node) == "matmul")
 
 
+def is_attention(node: Node) -> bool:
+    """An ATen SDPA op (`ATTENTION_OPS`) or a fused attention kernel (kind "attn")."""
+    return node.op == "call_function" and (packet(node) in ATTENTION_OPS
+                                           or fused_kind(node) == "attn")
+
+
 def is_pointwise(node: Node) -> bool:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
@@ -242,8 +248,7 @@ def attn_units(g: Graph) -> list[set]:
     units = []
     taken: set = set()
     for n in g.forward:
-        is_sdpa = packet(n) in ATTENTION_OPS or fused_kind(n) == "attn"
-        if not (is_sdpa or _is_softmax_attention(g, n)) or n in taken:
+        if not (is_attention(n) or _is_softmax_attention(g, n)) or n in taken:
             continue
         layer = layer_of(n)
         unit, grown = {n}, True
@@ -431,8 +436,7 @@ def op_sac_units(g: Graph) -> list[set]:
     units = []
     for unit in full_units(g):
         projections = sorted((n for n in unit if g.is_projection(n)), key=g.order.__getitem__)
-        attention = {n for n in unit if n.op == "call_function" and (
-            packet(n) in ATTENTION_OPS or fused_kind(n) == "attn")}
+        attention = {n for n in unit if is_attention(n)}
         units.append(unit - g.with_aliases(set(projections[0::2]) | attention))
     return units
 
