@@ -196,7 +196,6 @@ def explain(result) -> str:
 NOT_MODELLED = ("FP8 GEMMs (mxgraph trains in bf16 or fp32)", "multi-token-prediction layers",
                 "a dispatcher that sends a token once per node (node-limited routing saves "
                 "no inter-node bytes without it)", "FSDP / ZeRO-3 parameter gathers",
-                "kernel-level contention between overlapped communication and compute",
                 "stragglers and clock throttling at the power limit")
 """What the search does not price (`--explain` names them)."""
 

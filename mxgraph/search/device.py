@@ -28,6 +28,8 @@ all-to-all's cross-node share goes through each rank's own NIC), times
 `comm_efficiency`. With `shared_link` (the CPU's loopback: every rank of a node sends
 through one link) the bandwidth is divided by the ranks of a node sending at once.
 Measured `[[collective]]` fits override the model for their kind and group size.
+Overlap is not free: a collective hidden behind compute slows that compute by
+`overlap_slowdown` of the time it runs beside it (`overlap_cost`).
 
 Sources of the built-in numbers are noted beside each; peak FLOP/s, HBM and link figures
 come from the vendors' datasheets, efficiencies from published microbenchmarks (cuBLAS
@@ -129,6 +131,11 @@ class DeviceProfile:
     """Bytes of a memory-bound kernel that reaches half of memory_efficiency."""
     op_overhead_s: float = 4e-6
     """Fixed cost per kernel (launch and framework dispatch), seconds."""
+    overlap_slowdown: float = 0.0
+    """Share by which compute slows while a collective runs beside it: the communication
+    library's kernels hold SMs (and memory bandwidth) the GEMMs would use. A collective
+    that hides `h` seconds behind compute adds `overlap_slowdown * h` to it
+    (`overlap_cost`); 0: overlap is free."""
     adamw_s_per_element: float = 0.0
     """Measured seconds of `torch.optim.AdamW.step()` per fp32 parameter element (what
     `mxgraph train` runs; --calibrate writes it); 0: AdamW is timed as a memory-bound pass
@@ -201,6 +208,11 @@ class DeviceProfile:
     def attention_time(self, flops: float) -> float:
         return self.op_overhead_s + (flops + self.attention_half_flops) / (
             self.peak_flops * self.attention_efficiency)
+
+    def overlap_cost(self, hidden_s: float) -> float:
+        """Seconds that `hidden_s` of communication hidden behind compute add to that compute
+        (`overlap_slowdown`): the compute beside it runs that much slower."""
+        return self.overlap_slowdown * max(0.0, hidden_s)
 
     def memory_time(self, nbytes: float) -> float:
         return self.op_overhead_s + (nbytes + self.memory_half_bytes) / (

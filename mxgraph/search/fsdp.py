@@ -10,7 +10,8 @@ the unsharded gradients: what FULL_SHARD and FSDP2's defaults do). The gathers p
 unit ahead, so each hides behind the compute of the unit before it: per micro-batch the
 forward exposes what its gathers take beyond the forward's compute (at least the first
 unit's gather), the backward what its gathers and reduce-scatters take beyond the backward's
-compute (at least the last unit's reduce-scatter). Memory: parameters and gradients
+compute (at least the last unit's reduce-scatter); what hides slows the compute beside it
+(`DeviceProfile.overlap_cost`). Memory: parameters and gradients
 sharded over the data-parallel ranks (routed experts over those that hold the same
 experts), plus two units unsharded (the one computing and the one prefetched).
 
@@ -85,12 +86,14 @@ def fsdp_reduction(setting: Setting, plan: Plan, params: float, experts: float,
     if gather == 0.0:
         return 0.0, 0.0
     if plan.pp > 1:  # once a step: gathered for the first micro-batch, scattered after the last
-        return gather + scatter, (max(gather_one, gather - forward_s / m) +
-                                  max(scatter_one, scatter - backward_s / m))
-    total = m * (2 * gather + scatter)
-    exposed = m * (max(gather_one, gather - forward_s / m) +
-                   max(scatter_one, gather + scatter - backward_s / m))
-    return total, exposed
+        total = gather + scatter
+        exposed = (max(gather_one, gather - forward_s / m) +
+                   max(scatter_one, scatter - backward_s / m))
+    else:
+        total = m * (2 * gather + scatter)
+        exposed = m * (max(gather_one, gather - forward_s / m) +
+                       max(scatter_one, gather + scatter - backward_s / m))
+    return total, exposed + setting.device.overlap_cost(total - exposed)
 
 
 def fsdp_step(setting: Setting, plan: Plan, memory: list[dict], per_stage: dict,

@@ -1,6 +1,7 @@
 """Seconds of one part of a layer (a layer kind's F, B or W for some micro-batch sequences)
 on one rank: its kernels under the device's roofline (`kernel_times`) and its collectives
-over the plan's mesh axes (`comm_time`), less what overlap hides (`hidden_share`).
+over the plan's mesh axes (`comm_time`), less what overlap hides (`hidden_share`), plus what
+the hidden part slows the compute beside it (`DeviceProfile.overlap_cost`).
 
     times = part_times(setting, plan, costs, "dense", "F", mbs=2)
     times["gemm"], times["attention"], times["memory"], times["comm"]       # seconds
@@ -78,7 +79,8 @@ def part_time(setting: Setting, plan: Plan, costs, kind: str, program: str,
 def part_times(setting: Setting, plan: Plan, costs, kind: str, program: str,
                mbs: int) -> dict[str, float]:
     """Seconds of one part for `mbs` sequences by class: "gemm", "attention", "memory"
-    (`kernel_times`) and "comm", its exposed collectives."""
+    (`kernel_times`) and "comm", its exposed collectives and the slowdown its hidden ones
+    cause (`DeviceProfile.overlap_cost`)."""
     part = costs.part(kind, program)
     cache_key = (id(costs), kind, program, mbs, plan.tp, plan.cp, plan.ep, plan.pp,
                  plan.dp, repr(plan.overlap), plan.moe.a2a_overlap)  # a Setting fixes fp8 and node_dispatch
@@ -92,7 +94,8 @@ def part_times(setting: Setting, plan: Plan, costs, kind: str, program: str,
         seconds = comm_time(setting, plan, axis, ckind, nbytes * mbs)
         seconds -= setting.device.burst_saving(
             seconds - comm_time(setting, plan, axis, ckind, 0.0), idle)
-        comm += seconds * (1 - hidden_share(plan, axis, ckind))
+        hidden = seconds * hidden_share(plan, axis, ckind)
+        comm += seconds - hidden + setting.device.overlap_cost(hidden)
     times["comm"] = comm
     setting.part_times[cache_key] = times
     return times

@@ -20,7 +20,9 @@ ZeRO-1's all-gathers behind the next step's first forward except the first bucke
 all-reduce, and the optimizer (AdamW, memory-bound over this rank's parameters; its shard
 under ZeRO-1). With overlap on, the sequence-parallel gathers/scatters and the expert
 all-to-alls (with `moe.a2a_overlap`) are half hidden behind independent compute (1 - 1/chunks
-with `overlap.tp_chunks`); other in-graph collectives stay exposed.
+with `overlap.tp_chunks`); other in-graph collectives stay exposed. Whatever hides is not
+free: the compute beside it runs `DeviceProfile.overlap_slowdown` slower for as long as it
+runs (`DeviceProfile.overlap_cost`, counted with the collectives' exposed time).
 
 Memory per pipeline rank: parameters and gradients (local shapes from the graph; a second
 gradient copy in the parameter dtype with several micro-batches or under bf16-mixed,
@@ -101,9 +103,11 @@ BREAKDOWN = {
     "gemm": "GEMM kernels (layers, embedding, LM head)",
     "attention": "attention kernels",
     "memory": "memory-bound kernels (norms, activations, residuals, casts, loss)",
-    "layer_comm": "exposed tp, cp and ep collectives inside the layers",
+    "layer_comm": "exposed tp, cp and ep collectives inside the layers, and the compute the "
+                  "hidden ones slow",
     "pipeline_wait": "pipeline bubble, stage-to-stage sends, offload transfers",
-    "grad_sync": "exposed data-parallel gradient reduction (and ZeRO-1 gathers)",
+    "grad_sync": "exposed data-parallel gradient reduction (and ZeRO-1 gathers), and the "
+                 "compute the hidden part slows",
     "optimizer": "gradient clipping and AdamW",
     "step_overhead": "fixed per-step cost outside the kernels",
 }
@@ -294,10 +298,11 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
     busy = {r: m * sum(sum(per_stage[s].values()) for s in held) for r, held in ranks.items()}
     if exact:
         pipeline_s, bubble, _ = pipeline(setting, plan, Costs(
-            per_stage=per_stage, comm=send, hidden_in_pair=pair_hidden(plan, comm_by_program)))
+            per_stage=per_stage, comm=send,
+            hidden_in_pair=pair_hidden(plan, comm_by_program, device.overlap_slowdown)))
     else:
         _, bubble, _ = unit_pipeline(setting, plan)
-        hides = pair_hidden(plan, comm_by_program)
+        hides = pair_hidden(plan, comm_by_program, device.overlap_slowdown)
         for r, held in ranks.items():  # an F&B pair hides each part's collectives
             busy[r] -= m * sum(min(hides[s]["F"], per_stage[s]["B"] + per_stage[s]["W"]) +
                                min(hides[s]["BW"], per_stage[s]["F"]) for s in held if s in hides)
@@ -335,15 +340,18 @@ def predict(setting: Setting, plan: Plan, mbs: int, simulate_schedule: bool = Tr
                       breakdown_s=breakdown)
 
 
-def pair_hidden(plan: Plan, comm: dict[int, dict[str, float]]) -> dict:
+def pair_hidden(plan: Plan, comm: dict[int, dict[str, float]], slowdown: float = 0.0) -> dict:
     """The layer communication an F&B pair hides (`Costs.hidden_in_pair`): under DualPipeV
     with overlap on, mxgraph's executor interleaves a pair's F and B programs at their
     collective waits (`codegen.segments.PAUSE`), so each part's exposed tp, cp and ep
     collectives run while the other part computes (DualPipe's F&B overlap); none
-    otherwise."""
+    otherwise. The other part's compute runs `slowdown` slower beside them
+    (`DeviceProfile.overlap_slowdown`), so that share of their time is not hidden."""
     if plan.schedule != "dualpipev" or plan.overlap is None or not plan.overlap.reorder:
         return {}
-    return {s: {"F": c["F"], "B": c["B"], "BW": c["B"] + c["W"]} for s, c in comm.items()}
+    keep = 1.0 - slowdown
+    return {s: {"F": keep * c["F"], "B": keep * c["B"], "BW": keep * (c["B"] + c["W"])}
+            for s, c in comm.items()}
 
 
 def rank_breakdown(setting: Setting, plan: Plan, costs, stages: list[dict], ranks: dict,
@@ -404,7 +412,8 @@ def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: di
     that micro-batch's backward (B and W) except the last bucket; ZeRO-1's all-gathers start
     after the optimizer and hide behind the next step's first forward, each bucket waited
     right before a program first reads it: all but the first bucket hide (Megatron-LM's
-    --overlap-param-gather, FSDP's forward prefetch do the same)."""
+    --overlap-param-gather, FSDP's forward prefetch do the same). What hides slows the
+    compute beside it (`DeviceProfile.overlap_cost`): that is exposed too."""
     dp = plan.dp or 1
     if dp * plan.cp == 1:
         return 0.0, 0.0
@@ -434,7 +443,8 @@ def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: di
         first_forward = min(sum(per_stage[s]["F"] for s in held) for held in ranks.values())
         exposed += max(one["all_gather"] if buckets > 1 else total["all_gather"],
                        total["all_gather"] - first_forward)
-    return sum(total.values()), exposed
+    busy = sum(total.values())
+    return busy, exposed + setting.device.overlap_cost(busy - exposed)
 
 
 def optimizer_time(setting: Setting, plan: Plan, memory: list[dict], costs, stages,

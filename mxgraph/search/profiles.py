@@ -2,7 +2,7 @@
 
 Peak FLOP/s, memory and link figures: vendor datasheets. Efficiencies: published kernel
 microbenchmarks (large cuBLAS GEMMs, FlashAttention-2/3 forward+backward, STREAM-like
-copies, nccl-tests bus bandwidth), rounded; no number was fitted to an end-to-end training
+copies, nccl-tests bus bandwidth, compute slowed beside collectives), rounded; no number was fitted to an end-to-end training
 throughput (those are used only to check, in benchmarks/bench_search.py). Bandwidths are
 per device and direction: NVLink's "600 GB/s" (A100) is 300 GB/s each way.
 """
@@ -22,6 +22,11 @@ _MAMF = ("ml-engineering (stas00), compute/accelerator README, Maximum Achievabl
          "table: the best shape's mean of 100 matmuls after 50 warm-up ones on one GPU, its "
          "neighbours idle (a burst above the rate sustained at the power limit while every "
          "GPU of a node trains, which the same book's MSMF notes put lower)")
+_OVERLAP = ("Lee et al., Characterizing Compute-Communication Overlap in GPU-Accelerated "
+            "Distributed Deep Learning (arXiv 2507.03114): GPT and Llama layers' kernels beside "
+            "NCCL collectives on A100s and H100s run 18.9% slower on average (at most 40%) "
+            "than alone; the NCCL kernels hold SMs (DeepSeek-V3 report, Sec. 3.2.2: 20 of an "
+            "H800's 132 SMs, 15%, for its overlapped communication)")
 _TILES = ("NVIDIA Matrix Multiplication Background User's Guide (tile and wave quantization); "
           "tile: the cuBLAS kernels profilers name for large bf16 GEMMs")
 
@@ -31,6 +36,7 @@ A100 = DeviceProfile(
     inter_latency_s=8e-6, comm_efficiency=0.78, host_bw=25e9, gemm_efficiency=0.80,
     gemm_half_flops=3e8, attention_efficiency=0.60, attention_half_flops=1e9,
     memory_efficiency=0.85, op_overhead_s=4e-6, sm_count=108, gemm_tile=[256, 128],
+    overlap_slowdown=0.19,
     sources={
         "peak_flops": "NVIDIA A100 datasheet: 312 TFLOPS bf16 dense (624 with sparsity)",
         "sm_count": "NVIDIA A100 whitepaper: 108 SMs",
@@ -43,6 +49,7 @@ A100 = DeviceProfile(
         "attention_efficiency": "FlashAttention-2 paper: 50-70% of peak forward+backward",
         "memory_efficiency": "STREAM-like device copies: ~1.7 of 2.0 TB/s",
         "comm_efficiency": _NCCL + " (~230 of 300 GB/s on DGX A100)",
+        "overlap_slowdown": _OVERLAP,
     })
 
 H100 = DeviceProfile(
@@ -51,7 +58,7 @@ H100 = DeviceProfile(
     inter_latency_s=8e-6, comm_efficiency=0.80, host_bw=50e9, gemm_efficiency=0.70,
     gemm_half_flops=1e9, attention_efficiency=0.50, attention_half_flops=3e9,
     memory_efficiency=0.85, op_overhead_s=4e-6, sm_count=132, gemm_tile=[128, 256],
-    fp8_flops=1979e12, fp8_gemm_efficiency=0.62,
+    fp8_flops=1979e12, fp8_gemm_efficiency=0.62, overlap_slowdown=0.19,
     sources={
         "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1,979 with sparsity)",
         "sm_count": "NVIDIA H100 SXM5: 132 SMs (H100 whitepaper)",
@@ -69,6 +76,7 @@ H100 = DeviceProfile(
                                 "of peak; 50% taken",
         "memory_efficiency": "STREAM-like device copies: ~2.8 of 3.35 TB/s",
         "comm_efficiency": _NCCL,
+        "overlap_slowdown": _OVERLAP,
     })
 
 H100_GT = dataclasses.replace(
@@ -92,7 +100,7 @@ H800 = DeviceProfile(
     inter_latency_s=8e-6, comm_efficiency=0.80, host_bw=50e9, gemm_efficiency=0.70,
     gemm_half_flops=1e9, attention_efficiency=0.50, attention_half_flops=3e9,
     memory_efficiency=0.85, op_overhead_s=4e-6, sm_count=132, gemm_tile=[128, 256],
-    fp8_flops=1979e12, fp8_gemm_efficiency=0.62,
+    fp8_flops=1979e12, fp8_gemm_efficiency=0.62, overlap_slowdown=0.19,
     sources={
         "peak_flops": "H800 SXM: the H100 SXM compute die, 989 TFLOPS bf16 dense",
         "sm_count": "as h100-sxm (the same die)",
@@ -106,6 +114,7 @@ H800 = DeviceProfile(
         "gemm_efficiency": _GEMM + " (as h100-sxm)",
         "attention_efficiency": "as h100-sxm",
         "comm_efficiency": "DeepSeek-V3 report: 160 of 200 GB/s NVLink",
+        "overlap_slowdown": _OVERLAP,
     })
 
 METAX_C500 = DeviceProfile(
@@ -113,7 +122,7 @@ METAX_C500 = DeviceProfile(
     intra_link="metalink", intra_bw=200e9, intra_latency_s=4e-6, inter_bw=25e9,
     inter_latency_s=10e-6, comm_efficiency=0.75, host_bw=25e9, gemm_efficiency=0.70,
     gemm_half_flops=3e8, attention_efficiency=0.45, attention_half_flops=1e9,
-    memory_efficiency=0.80, op_overhead_s=6e-6,
+    memory_efficiency=0.80, op_overhead_s=6e-6, overlap_slowdown=0.19,
     sources={
         "peak_flops": "MetaX C500 public product figures: 280 TFLOPS fp16/bf16 dense "
                       "(not checked against a datasheet in this version: run --calibrate "
@@ -124,6 +133,8 @@ METAX_C500 = DeviceProfile(
         "inter_bw": "assumed one 200 Gb/s NIC per card",
         "gemm_efficiency": "assumed as A100-class (no published microbenchmark at hand)",
         "attention_efficiency": "assumed below A100's FlashAttention-2 share",
+        "overlap_slowdown": "assumed as NVIDIA's GPUs (MCCL's kernels hold compute units as "
+                            "NCCL's do): " + _OVERLAP,
     })
 
 CPU = DeviceProfile(
