@@ -41,8 +41,8 @@ OPTIONAL_KEYS = {"mtp_layers": int, "fsdp": bool, "node_dispatch": bool}
 shards them (`Setting.fsdp`; default false); `node_dispatch`, the expert all-to-all sends a
 token once per node (DeepEP; `Setting.node_dispatch`; default false)."""
 LAYOUT_KEYS = {"tp", "pp", "vpp", "ep", "cp", "sequence_parallel", "zero1", "recompute",
-               "schedule", "overlap", "bucket_mb", "mbs", "a2a_overlap"}
-"""The fields a [run.layout] may set: Plan fields, `mbs` and `a2a_overlap`."""
+               "schedule", "overlap", "bucket_mb", "mbs", "a2a_overlap", "passes"}
+"""The fields a [run.layout] may set: Plan fields, `mbs`, `a2a_overlap` and `passes`."""
 WITHIN = 0.15
 """The error the summary counts rows within (the issue's median target)."""
 
@@ -86,13 +86,14 @@ def plan_of(run: dict):
     layout = dict(run["layout"])
     mbs = layout.pop("mbs")
     a2a_overlap = layout.pop("a2a_overlap", False)
+    passes = layout.pop("passes", 1)
     model_ranks = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
     dp, rest = divmod(run["gpus"], model_ranks)
-    if rest or run["global_batch"] % (dp * mbs) or dp % layout.get("ep", 1):
+    if rest or run["global_batch"] % (dp * mbs * passes) or dp % layout.get("ep", 1):
         raise ValueError(f"{run['what']!r}: {run['gpus']} GPUs, tp x pp x cp = {model_ranks}, "
-                         f"ep {layout.get('ep', 1)}, batch {run['global_batch']} and mbs {mbs} "
-                         f"do not divide")
-    plan = Plan(**layout, dp=dp, micro_batches=run["global_batch"] // dp // mbs)
+                         f"ep {layout.get('ep', 1)}, batch {run['global_batch']}, mbs {mbs} and "
+                         f"passes {passes} do not divide")
+    plan = Plan(**layout, dp=dp, micro_batches=run["global_batch"] // passes // dp // mbs)
     if a2a_overlap:
         plan = dataclasses.replace(plan, moe=dataclasses.replace(plan.moe, a2a_overlap=True))
     plan.validate(run["gpus"])
@@ -111,8 +112,9 @@ def layout_text(run: dict, dp: int) -> str:
         parts.append(layout["schedule"])
     if layout.get("recompute"):
         parts.append(layout["recompute"])
-    micro_batches = run["global_batch"] // dp // layout["mbs"]
-    parts.append(f"mbs{layout['mbs']}x{micro_batches}")
+    passes = layout.get("passes", 1)
+    micro_batches = run["global_batch"] // passes // dp // layout["mbs"]
+    parts.append(f"mbs{layout['mbs']}x{micro_batches}" + (f"x{passes}" if passes > 1 else ""))
     return " ".join(parts)
 
 
@@ -122,13 +124,14 @@ def predict_run(run: dict, library) -> dict:
     from mxgraph.search.profiles import load_device
     from mxgraph.search.setting import Setting
     plan, mbs, dp = plan_of(run)
+    passes = run["layout"].get("passes", 1)
     setting = Setting(model_config(run, library), load_device(run["device"]), run["gpus"],
-                      run["global_batch"], run["seq_len"], library,
+                      run["global_batch"] // passes, run["seq_len"], library,
                       fp8=run["precision"] == "fp8", mtp_layers=run.get("mtp_layers", 0),
                       fsdp=run.get("fsdp", False),
                       node_dispatch=run.get("node_dispatch", False))
     started = time.perf_counter()
-    p = predict(setting, plan, mbs)
+    p = repeat_passes(predict(setting, plan, mbs), passes)
     published = run["published_tokens_per_s_per_gpu"]
     fields = {**{k: v for k, v in run["layout"].items() if k != "mbs"}, "dp": dp,
               "micro_batches": plan.micro_batches}
@@ -141,6 +144,26 @@ def predict_run(run: dict, library) -> dict:
             "exposed_comm_s": p.exposed_comm_s, "peak_memory_gib": p.peak_memory_gib,
             "breakdown_s": p.breakdown_s,
             "predict_s": round(time.perf_counter() - started, 2), "source": run["source"]}
+
+
+def repeat_passes(prediction, passes: int):
+    """A step of `passes` pipeline passes from the prediction of one (a step of the global
+    batch / passes): every part but the optimizer `passes` times; tokens/s/GPU and MFU are
+    the same work over the longer step. Gradient accumulation around the pipeline schedule,
+    as AutoModel's and torchtitan's pipelines run a local batch larger than the schedule's
+    micro-batches: each pass fills and drains the pipeline, and FSDP gathers its units and
+    reduce-scatters their gradients in each (the units reshard after a pass's last backward)."""
+    if passes == 1:
+        return prediction
+    optimizer = prediction.parts_s["optimizer"]
+    step = passes * (prediction.step_s - optimizer) + optimizer
+    scale = passes * prediction.step_s / step
+    return dataclasses.replace(
+        prediction, step_s=step, tokens_per_s_per_gpu=prediction.tokens_per_s_per_gpu * scale,
+        mfu=prediction.mfu * scale, exposed_comm_s=prediction.exposed_comm_s * passes,
+        parts_s={k: v if k == "optimizer" else v * passes for k, v in prediction.parts_s.items()},
+        breakdown_s={k: v if k == "optimizer" else v * passes
+                     for k, v in prediction.breakdown_s.items()})
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:

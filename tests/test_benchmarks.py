@@ -328,9 +328,34 @@ def test_published_runs_well_formed(load):
         assert models.count_params(model) > 1e9, run["what"]
         plan, mbs, dp = bench.plan_of(run)
         assert dp * plan.tp * plan.pp * plan.cp == run["gpus"], run["what"]
-        assert dp * mbs * plan.micro_batches == run["global_batch"], run["what"]
+        passes = run["layout"].get("passes", 1)
+        assert dp * mbs * plan.micro_batches * passes == run["global_batch"], run["what"]
         assert run["published_tokens_per_s_per_gpu"] > 0 and len(run["source"]) > 40
         assert run["precision"] in ("bf16", "fp16", "fp8"), run["what"]
+
+
+def test_pipeline_passes_repeat_all_but_the_optimizer(load):
+    """A row with `passes` (gradient accumulation around the pipeline schedule) is priced
+    as that many steps of its batch / passes, the optimizer once: its tokens/s/GPU against
+    the one-pass prediction of the same plan, from their step times."""
+    import models
+    bench = load("bench_search_published")
+    run = next(r for r in bench.load_runs() if r["layout"].get("passes", 1) > 1)
+    passes = run["layout"]["passes"]
+    small = {**run, "model": "llama-tiny", "device": "h100-sxm", "gpus": 16,
+             "global_batch": 16 * passes, "seq_len": 128, "fsdp": True,
+             "layout": {"pp": 2, "zero1": True, "overlap": True, "mbs": 1, "passes": passes}}
+    row = bench.predict_run(small, models)
+    one = bench.predict_run({**small, "global_batch": 16, "layout": {
+        k: v for k, v in small["layout"].items() if k != "passes"}}, models)
+    optimizer = one["breakdown_s"]["optimizer"]
+    assert optimizer > 0
+    assert row["predicted_step_s"] == pytest.approx(
+        passes * (one["predicted_step_s"] - optimizer) + optimizer, rel=1e-9)
+    assert row["predicted_tokens_per_s_per_gpu"] == pytest.approx(
+        16 * passes * 128 / row["predicted_step_s"] / 16, rel=1e-9)
+    assert sum(row["breakdown_s"].values()) == pytest.approx(row["predicted_step_s"], rel=1e-9)
+    assert row["layout"].endswith(f"x{passes}")
 
 
 def test_search_published(load, tmp_path, capsys):
