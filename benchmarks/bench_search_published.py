@@ -35,11 +35,13 @@ ROW_KEYS = {"what": str, "source": str, "family": str, "model": (str, dict), "de
             "gpus": int, "global_batch": int, "seq_len": int, "precision": str,
             "published_tokens_per_s_per_gpu": (int, float), "layout": dict}
 """The fields of a [[run]] and their types (all required)."""
-OPTIONAL_KEYS = {"mtp_layers": int, "fsdp": bool, "node_dispatch": bool}
+OPTIONAL_KEYS = {"mtp_layers": int, "fsdp": bool, "node_dispatch": bool, "attention_kernel": str}
 """Fields a [[run]] may set: `mtp_layers`, the multi-token-prediction modules the run trains
 (`Setting.mtp_layers`; default 0); `fsdp`, parameters and gradients sharded as FSDP / ZeRO-3
 shards them (`Setting.fsdp`; default false); `node_dispatch`, the expert all-to-all sends a
-token once per node (DeepEP; `Setting.node_dispatch`; default false)."""
+token once per node (DeepEP; `Setting.node_dispatch`; default false); `attention_kernel`,
+the fused attention kernel the run used when not the profile's default
+(`Setting.attention_kernel`, e.g. "fa2")."""
 LAYOUT_KEYS = {"tp", "pp", "vpp", "ep", "cp", "sequence_parallel", "zero1", "recompute",
                "schedule", "overlap", "bucket_mb", "mbs", "a2a_overlap", "passes"}
 """The fields a [run.layout] may set: Plan fields, `mbs`, `a2a_overlap` and `passes`."""
@@ -129,7 +131,8 @@ def predict_run(run: dict, library) -> dict:
                       run["global_batch"] // passes, run["seq_len"], library,
                       fp8=run["precision"] == "fp8", mtp_layers=run.get("mtp_layers", 0),
                       fsdp=run.get("fsdp", False),
-                      node_dispatch=run.get("node_dispatch", False))
+                      node_dispatch=run.get("node_dispatch", False),
+                      attention_kernel=run.get("attention_kernel", ""))
     started = time.perf_counter()
     p = repeat_passes(predict(setting, plan, mbs), passes)
     published = run["published_tokens_per_s_per_gpu"]

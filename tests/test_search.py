@@ -221,6 +221,7 @@ def test_model_file_and_device_file(tmp_path, capsys):
     ({"gpus": "7"}, "no layout"),
     ({"evaluate": "PLAN", "global_batch": "2"}, "does not split over dp=4"),
     ({"model": "llama-99b"}, "unknown model preset"),
+    ({"attention_kernel": "fa9"}, "no attention kernel 'fa9'"),
 ])
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys, change, message):
     args = {"model": "llama-tiny", "gpus": "4", "device": "a100-80gb", "global_batch": "8",
@@ -246,7 +247,8 @@ def test_help_documents_every_flag(capsys):
         main(["search", "--help"])
     text = capsys.readouterr().out
     for flag in ("--model", "--gpus", "--device", "--global-batch", "--seq-len", "--top-k",
-                 "--json", "--plans-dir", "--explain", "--evaluate", "--calibrate", "--quick"):
+                 "--json", "--plans-dir", "--explain", "--evaluate", "--calibrate", "--quick",
+                 "--attention-kernel"):
         assert flag in text
     assert "GiB" in text and "seconds" in text
 

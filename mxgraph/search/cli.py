@@ -41,6 +41,10 @@ def add_search_parser(commands, parents, library) -> None:
     p.add_argument("--device", default="h800", help="built-in profile (a100-80gb, h100-sxm, h100-hbm2e-500w, "
                    "h800, metax-c500, cpu) or a TOML device file (see --calibrate); "
                    "default h800")
+    p.add_argument("--attention-kernel", default="", help="the fused attention kernel the "
+                   "job runs when not the device's default: one of the profile's "
+                   "attention_kernels (fa2: FlashAttention-2 on Hopper parts, whose default "
+                   "is cuDNN's); priced at that kernel's efficiency")
     p.add_argument("--global-batch", type=int, help="sequences per optimizer step, over "
                    "all data-parallel ranks")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
@@ -96,7 +100,8 @@ def run_search(args, library) -> int:
             raise UserError(f"--{flag.replace('_', '-')} must be a positive integer")
     _, config = resolve_model(args.model, library)
     device = load_device(args.device)
-    setting = Setting(config, device, args.gpus, args.global_batch, args.seq_len, library)
+    setting = Setting(config, device, args.gpus, args.global_batch, args.seq_len, library,
+                      attention_kernel=args.attention_kernel)
     started = time.perf_counter()
     if args.evaluate:
         predictions = [evaluate(setting, Plan.from_toml(args.evaluate), args.evaluate)]

@@ -125,6 +125,11 @@ class DeviceProfile:
     """Best achieved share of peak_flops for fused attention (forward and backward)."""
     attention_half_flops: float = 1e9
     """FLOPs of an attention call that reaches half of attention_efficiency."""
+    attention_kernels: dict = field(default_factory=dict)
+    """Other fused attention kernels the device runs, by name, each with its
+    attention_efficiency (e.g. {"fa2": 0.33}: FlashAttention-2 on a Hopper part, whose
+    default is cuDNN's); `with_attention_kernel` prices a run that used one. In a TOML
+    device file an [attention_kernels] table."""
     memory_efficiency: float = 0.85
     """Best achieved share of hbm_bw for memory-bound kernels."""
     memory_half_bytes: float = 1e6
@@ -152,6 +157,17 @@ class DeviceProfile:
     collective: list = field(default_factory=list)
     """Measured `CollectiveFit`s (from --calibrate); they override the alpha-beta model."""
 
+    def with_attention_kernel(self, kernel: str) -> "DeviceProfile":
+        """This profile with `kernel`'s attention efficiency (`attention_kernels`); "" or
+        "default": unchanged. UserError naming the kernels it knows."""
+        if kernel in ("", "default"):
+            return self
+        if kernel not in self.attention_kernels:
+            known = ", ".join(["default", *self.attention_kernels])
+            raise UserError(f"device {self.name} has no attention kernel {kernel!r}; it knows "
+                            f"{known} (a device file lists more under [attention_kernels])")
+        return dataclasses.replace(self, attention_efficiency=self.attention_kernels[kernel])
+
     def __post_init__(self):
         self.collective = [c if isinstance(c, CollectiveFit) else CollectiveFit(**c)
                            for c in self.collective]
@@ -165,6 +181,11 @@ class DeviceProfile:
         for name in ("peak_flops", "hbm_bytes", "hbm_bw", "intra_bw", "inter_bw", "host_bw"):
             if not getattr(self, name) > 0:
                 raise UserError(f"device {self.name}: {name} must be > 0")
+        for kernel, efficiency in self.attention_kernels.items():
+            if isinstance(efficiency, bool) or not isinstance(efficiency, (int, float)) or \
+                    not 0 < efficiency <= 4:
+                raise UserError(f"device {self.name}: attention_kernels.{kernel} = "
+                                f"{efficiency!r} must be a share of peak_flops, e.g. 0.33")
 
     # ---- kernels -----------------------------------------------------------------------
     def gemm_time(self, flops: float, fp8: bool = False) -> float:
@@ -294,9 +315,12 @@ class DeviceProfile:
         lines = []
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name in ("sources", "collective"):
+            if f.name in ("sources", "collective", "attention_kernels"):
                 continue
             lines.append(f"{f.name} = {_toml(value)}")
+        if self.attention_kernels:
+            lines.append("\n[attention_kernels]")
+            lines += [f"{k} = {_toml(v)}" for k, v in self.attention_kernels.items()]
         if self.sources:
             lines.append("\n[sources]")
             lines += [f"{k} = {_toml(v)}" for k, v in self.sources.items()]

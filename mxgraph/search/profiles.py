@@ -27,6 +27,11 @@ _OVERLAP = ("Lee et al., Characterizing Compute-Communication Overlap in GPU-Acc
             "NCCL collectives on A100s and H100s run 18.9% slower on average (at most 40%) "
             "than alone; the NCCL kernels hold SMs (DeepSeek-V3 report, Sec. 3.2.2: 20 of an "
             "H800's 132 SMs, 15%, for its overlapped communication)")
+_FA3_FIGURES = ("FlashAttention-3 paper (Shah et al., arXiv 2407.08608), H100 SXM5 figures, head "
+                "dim 128, sequences 2k-16k: ")
+_FA2_H100 = (_FA3_FIGURES + "FlashAttention-2 forward (causal) 298-335 and backward 291-322 "
+             "TFLOPS, i.e. 293-326 forward+backward (a backward of 2.5x the forward's FLOPs): "
+             "0.30-0.33 of 989; the plateau taken (attention_half_flops gives the ramp)")
 _TILES = ("NVIDIA Matrix Multiplication Background User's Guide (tile and wave quantization); "
           "tile: the cuBLAS kernels profilers name for large bf16 GEMMs")
 
@@ -36,7 +41,7 @@ A100 = DeviceProfile(
     inter_latency_s=8e-6, comm_efficiency=0.78, host_bw=25e9, gemm_efficiency=0.80,
     gemm_half_flops=3e8, attention_efficiency=0.60, attention_half_flops=1e9,
     memory_efficiency=0.85, op_overhead_s=4e-6, sm_count=108, gemm_tile=[256, 128],
-    overlap_slowdown=0.19,
+    overlap_slowdown=0.19, attention_kernels={"fa2": 0.60},
     sources={
         "peak_flops": "NVIDIA A100 datasheet: 312 TFLOPS bf16 dense (624 with sparsity)",
         "sm_count": "NVIDIA A100 whitepaper: 108 SMs",
@@ -47,6 +52,7 @@ A100 = DeviceProfile(
         "host_bw": "PCIe 4.0 x16: ~25 GB/s achieved per direction",
         "gemm_efficiency": _GEMM + ": ~250 of 312 TFLOPS; MAMF 271.2 (86.9%, " + _MAMF + ")",
         "attention_efficiency": "FlashAttention-2 paper: 50-70% of peak forward+backward",
+        "attention_kernels": "fa2: the default (FlashAttention-2, as above)",
         "memory_efficiency": "STREAM-like device copies: ~1.7 of 2.0 TB/s",
         "comm_efficiency": _NCCL + " (~230 of 300 GB/s on DGX A100)",
         "overlap_slowdown": _OVERLAP,
@@ -59,6 +65,7 @@ H100 = DeviceProfile(
     gemm_half_flops=1e9, attention_efficiency=0.50, attention_half_flops=3e9,
     memory_efficiency=0.85, op_overhead_s=4e-6, sm_count=132, gemm_tile=[128, 256],
     fp8_flops=1979e12, fp8_gemm_efficiency=0.62, overlap_slowdown=0.19,
+    attention_kernels={"fa2": 0.33},
     sources={
         "peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOPS bf16 dense (1,979 with sparsity)",
         "sm_count": "NVIDIA H100 SXM5: 132 SMs (H100 whitepaper)",
@@ -72,8 +79,11 @@ H100 = DeviceProfile(
         "host_bw": "PCIe 5.0 x16: ~50 GB/s per direction",
         "gemm_efficiency": _GEMM + ": ~650-750 of 989 TFLOPS; bf16 MAMF 794.5 (80.3%, " +
                            _MAMF + ")",
-        "attention_efficiency": "FlashAttention-2 ~35-50%, FlashAttention-3 paper up to 75% "
-                                "of peak; 50% taken",
+        "attention_efficiency": "cuDNN's fused attention (Transformer Engine's, and PyTorch "
+                                "SDPA's default on Hopper once cuDNN > 9.15): " + _FA3_FIGURES +
+                                "cuDNN forward (causal) 484-539 and backward 465-518 TFLOPS, "
+                                "~0.53 of peak forward+backward; 0.50 taken",
+        "attention_kernels": "fa2: " + _FA2_H100,
         "memory_efficiency": "STREAM-like device copies: ~2.8 of 3.35 TB/s",
         "comm_efficiency": _NCCL,
         "overlap_slowdown": _OVERLAP,
@@ -90,7 +100,8 @@ H100_GT = dataclasses.replace(
              "fp8_flops": "twice the bf16 peak, as on every H100 datasheet",
              "hbm": "the same page: 96 GB HBM2e, 2.4 TB/s",
              "gemm_efficiency": "as h100-sxm, of this part's peak",
-             "attention_efficiency": "as h100-sxm, of this part's peak"})
+             "attention_efficiency": "as h100-sxm, of this part's peak",
+             "attention_kernels": "as h100-sxm, of this part's peak"})
 """The 500 W HBM2e H100 of Meta's Grand Teton hosts (torchtitan's H100 benchmarks); the rest
 as h100-sxm (the same die, NVLink and 400 Gb/s RDMA per GPU)."""
 
@@ -101,6 +112,7 @@ H800 = DeviceProfile(
     gemm_half_flops=1e9, attention_efficiency=0.50, attention_half_flops=3e9,
     memory_efficiency=0.85, op_overhead_s=4e-6, sm_count=132, gemm_tile=[128, 256],
     fp8_flops=1979e12, fp8_gemm_efficiency=0.62, overlap_slowdown=0.19,
+    attention_kernels={"fa2": 0.33},
     sources={
         "peak_flops": "H800 SXM: the H100 SXM compute die, 989 TFLOPS bf16 dense",
         "sm_count": "as h100-sxm (the same die)",
@@ -113,6 +125,7 @@ H800 = DeviceProfile(
         "inter_bw": "DeepSeek-V3 report: 400 Gb/s InfiniBand per GPU (50 GB/s)",
         "gemm_efficiency": _GEMM + " (as h100-sxm)",
         "attention_efficiency": "as h100-sxm",
+        "attention_kernels": "as h100-sxm (the same die)",
         "comm_efficiency": "DeepSeek-V3 report: 160 of 200 GB/s NVLink",
         "overlap_slowdown": _OVERLAP,
     })

@@ -47,6 +47,11 @@ class Setting:
     keeps whole expert groups in a node, to at most `topk_groups` nodes. Priced by
     `part_time.node_dispatch_share`. mxgraph's dispatcher sends one copy per expert: this
     prices published runs that used such a dispatcher, it is not a plan field."""
+    attention_kernel: str = ""
+    """The fused attention kernel the run uses when not the device's default: a name in
+    `DeviceProfile.attention_kernels` (e.g. "fa2": FlashAttention-2, which PyTorch's SDPA ran
+    on Hopper before it preferred cuDNN's), whose efficiency prices its attention. ""
+    is the profile's own."""
     cache: TraceCache = None
     memory: dict = field(default_factory=dict)
     flights: dict = field(default_factory=dict)
@@ -63,5 +68,6 @@ class Setting:
         return "fp32" if self.device.dtype == "float32" else "bf16-mixed"
 
     def __post_init__(self):
+        self.device = self.device.with_attention_kernel(self.attention_kernel)
         if self.cache is None:
             self.cache = TraceCache(self.library)
