@@ -81,3 +81,20 @@ def test_an_f_and_b_pair_hides_what_contention_leaves():
     assert pair_hidden(plan, comm, H100.overlap_slowdown)[0] == pytest.approx(
         {"F": 2.0 * keep, "B": 3.0 * keep, "BW": 4.0 * keep})
     assert pair_hidden(dataclasses.replace(plan, overlap=None), comm, 0.2) == {}
+
+
+def test_calibration_over_two_ranks_measures_the_slowdown(tmp_path):
+    """`mxgraph search --calibrate cpu --nproc 2 --quick`: the device file holds a measured
+    overlap_slowdown (GEMMs beside all-gathers against alone: a finite share, at least 0)
+    beside its collective fits, and the search reads it back."""
+    import math
+    import subprocess
+    import sys
+    out = tmp_path / "cpu2.toml"
+    subprocess.run([sys.executable, "-m", "mxgraph.cli", "search", "--calibrate", "cpu",
+                    "--nproc", "2", "--quick", "--out", str(out)], check=True, timeout=600,
+                   capture_output=True)
+    device = load_device(str(out))
+    assert math.isfinite(device.overlap_slowdown) and 0.0 <= device.overlap_slowdown < 4.0
+    assert "overlap_slowdown" in out.read_text()
+    assert {fit.kind for fit in device.collective} >= {"all_gather", "reduce_scatter"}

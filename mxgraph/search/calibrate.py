@@ -21,6 +21,10 @@ shared as in training; the numbers kept are the mean over ranks):
 * optimizer: `torch.optim.AdamW.step()` and `clip_grad_norm_` per parameter element.
 * each compute sample repeats its op for about 0.1 s, every rank at once: ranks that share
   cores (the CPU) measure the shared rate training sees.
+* overlap (nproc > 1): a loop of GEMMs timed alone and again while all-gathers over every
+  rank run beside it for its whole length (async, on the collective library's own stream
+  or threads); overlap_slowdown = beside / alone - 1, the mean over ranks (the
+  collective's kernels hold SMs on a GPU, its transport threads share the cores on the CPU).
 * collectives (nproc > 1, gloo on the CPU, nccl on cuda): all_reduce, all_gather,
   reduce_scatter, all_to_all and send/recv, on groups of 2 neighbouring ranks and of all
   ranks, every group at once, several sizes up to 16 MiB (beyond a shaped link's burst, as
@@ -31,6 +35,7 @@ The default takes about a minute; `--quick` a few seconds (fewer sizes and repea
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -188,11 +193,12 @@ def measure(name: str, quick: bool = False):
               adamw, clip]
     fits = collective_fits(world, device, quick, barrier) if world > 1 else []
     burst = link_burst(world, device, fits, barrier) if world > 1 else 0.0
+    values.append(overlap_slowdown(world, device, dtype, quick, barrier) if world > 1 else 0.0)
     if world > 1:
         mean = torch.tensor(values, dtype=torch.float64, device=device)  # nccl: on the device
         dist.all_reduce(mean)
         values = (mean / world).tolist()
-    peak, overhead, gemm_half, attn_eff, attn_half, bw, mem_half, adamw, clip = values
+    peak, overhead, gemm_half, attn_eff, attn_half, bw, mem_half, adamw, clip, slowdown = values
     total_memory = _host_memory() if device.type == "cpu" else \
         torch.cuda.get_device_properties(device).total_memory * world
     ar = [f for f in fits if f["kind"] == "all_reduce" and f["group_size"] == world]
@@ -207,7 +213,8 @@ def measure(name: str, quick: bool = False):
         gemm_efficiency=1.0, gemm_half_flops=gemm_half, attention_efficiency=min(4.0, attn_eff),
         attention_half_flops=attn_half, memory_efficiency=1.0, memory_half_bytes=mem_half,
         op_overhead_s=overhead, adamw_s_per_element=adamw, clip_s_per_element=clip,
-        flash_attention=device.type != "cpu", link_burst_s=burst, **shape_model,
+        flash_attention=device.type != "cpu", link_burst_s=burst,
+        overlap_slowdown=max(0.0, slowdown), **shape_model,
         sources={"all": f"measured by mxgraph search --calibrate {name} on {world} rank(s), "
                         f"{stamp}{' (quick)' if quick else ''}; see mxgraph/search/calibrate.py"},
         collective=fits)
@@ -284,6 +291,53 @@ def collective_fits(world: int, device, quick: bool, barrier) -> list[dict]:
             fits.append({"kind": kind, "group_size": n, "alpha_s": alpha,
                          "beta_s_per_byte": beta, "spans_nodes": False})
     return fits
+
+
+def overlap_slowdown(world: int, device, dtype, quick: bool, barrier) -> float:
+    """This rank's share by which GEMMs slow while all-gathers over every rank run beside
+    them (module docstring): a loop of GEMMs alone, then the same loop right after enough
+    async all-gathers were queued to outlast it (from one all-gather's time), in pairs; the
+    median of the pairs' ratios - 1. On cuda only the compute stream is waited for the
+    GEMMs' time."""
+    import torch
+    import torch.distributed as dist
+    cuda = device.type == "cuda"
+    n, calls = (4096, 10 if quick else 30) if cuda else (512, 4 if quick else 10)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+
+    def gemms() -> float:
+        barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            a @ a
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()
+        return time.perf_counter() - start
+
+    alone = min(gemms() for _ in range(2))
+    numel = (2 ** 24 if cuda else 2 ** 20) // world * world
+    out = torch.ones(numel, device=device)
+    part = out[: numel // world].clone()
+    barrier()
+    start = time.perf_counter()
+    dist.all_gather_into_tensor(out, part)
+    if cuda:
+        torch.cuda.synchronize(device)
+    one = max(1e-6, time.perf_counter() - start)
+    count = torch.tensor([min(200, max(2, math.ceil(2 * alone / one)))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank queues as many
+    ratios = []
+    for _ in range(3 if quick else 7):
+        alone = gemms()
+        barrier()
+        works = [dist.all_gather_into_tensor(out, part, async_op=True)
+                 for _ in range(int(count.item()))]
+        ratios.append(gemms() / alone)
+        for work in works:
+            work.wait()
+        if cuda:
+            torch.cuda.synchronize(device)
+    return statistics.median(ratios) - 1
 
 
 def link_burst(world: int, device, fits: list[dict], barrier, idle_s: float = 0.1) -> float:

@@ -140,7 +140,7 @@ class DeviceProfile:
     """Share by which compute slows while a collective runs beside it: the communication
     library's kernels hold SMs (and memory bandwidth) the GEMMs would use. A collective
     that hides `h` seconds behind compute adds `overlap_slowdown * h` to it
-    (`overlap_cost`); 0: overlap is free."""
+    (`overlap_cost`); 0: overlap is free. `--calibrate` with --nproc > 1 measures it."""
     adamw_s_per_element: float = 0.0
     """Measured seconds of `torch.optim.AdamW.step()` per fp32 parameter element (what
     `mxgraph train` runs; --calibrate writes it); 0: AdamW is timed as a memory-bound pass
