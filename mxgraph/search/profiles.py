@@ -2,8 +2,9 @@
 
 Peak FLOP/s, memory and link figures: vendor datasheets. Efficiencies: published kernel
 microbenchmarks (large cuBLAS GEMMs, FlashAttention-2/3 forward+backward, STREAM-like
-copies, nccl-tests bus bandwidth, compute slowed beside collectives), rounded; no number was fitted to an end-to-end training
-throughput (those are used only to check, in benchmarks/bench_search.py). Bandwidths are
+copies, nccl-tests bus bandwidth, compute slowed beside collectives), rounded; no number
+was fitted to an end-to-end training throughput (those are used only to check, in
+benchmarks/bench_search.py and bench_search_published.py). Bandwidths are
 per device and direction: NVLink's "600 GB/s" (A100) is 300 GB/s each way.
 """
 from __future__ import annotations
