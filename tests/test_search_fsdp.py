@@ -15,7 +15,15 @@ from mxgraph.runtime.precision import STATE_BYTES
 from mxgraph.search.fsdp import UNSHARDED_UNITS, fsdp_reduction
 from mxgraph.search.layer_cost import TraceCache
 from mxgraph.search.part_time import comm_time
-from mxgraph.search.predict import plan_costs, predict, rank_memory, rank_stages, stage_count, stage_parts
+from mxgraph.search.predict import (
+    optimizer_time,
+    plan_costs,
+    predict,
+    rank_memory,
+    rank_stages,
+    stage_count,
+    stage_parts,
+)
 from mxgraph.search.profiles import load_device
 from mxgraph.search.setting import Setting
 
@@ -102,3 +110,26 @@ def test_under_a_pipeline_units_stay_whole_and_sync_once_a_step():
     assert hidden == pytest.approx(slowed(gather + scatter, total), rel=1e-9)
     whole, sharded = (predict(setting(fsdp), plan, 1) for fsdp in (False, True))
     assert sharded.peak_memory_gib == pytest.approx(whole.peak_memory_gib, rel=1e-9)
+
+
+def test_every_rank_steps_a_piece_of_every_tensor():
+    """The optimizer's per-tensor launches: over every parameter tensor under FSDP (each
+    rank holds a piece of each), over about 1/dp of them in ZeRO-1's flat shard. With
+    launches that cost 1 s and memory that costs nothing, the two steps differ as the
+    tensor counts do."""
+    slow_launch = dataclasses.replace(H100, op_overhead_s=1.0, hbm_bw=1e30,
+                                      intra_latency_s=0.0, inter_latency_s=0.0)
+    plan = Plan(dp=4, zero1=True, bucket_mb=UNIT_MB)
+    steps = {}
+    for fsdp in (False, True):
+        s = setting(fsdp, slow_launch)
+        costs = plan_costs(s, plan, True)
+        stages = stage_parts(s, plan, stage_count(plan), costs)
+        ranks = rank_stages(s, plan)
+        memory = rank_memory(s, plan, costs, stages, ranks, 1, True)
+        steps[fsdp] = optimizer_time(s, plan, memory, costs, stages, ranks)
+        tensors = sum(n * costs.param_tensors.get(kind, 0) for kind, n in stages[0].items())
+    assert tensors > 8
+    per_tensor, passes = 12 + 2, 2  # AdamW's and the clip's launches; their memory passes
+    assert steps[True] == pytest.approx(per_tensor * tensors + passes, rel=1e-6)
+    assert steps[False] == pytest.approx(per_tensor * (tensors // 4) + passes, rel=1e-6)

@@ -449,7 +449,9 @@ def dp_reduction(setting: Setting, plan: Plan, memory: list[dict], per_stage: di
 
 def optimizer_time(setting: Setting, plan: Plan, memory: list[dict], costs, stages,
                    ranks) -> float:
-    """AdamW over this rank's (shard of) parameters plus the gradient-norm clip."""
+    """AdamW over this rank's (shard of) parameters plus the gradient-norm clip; per-tensor
+    launches over the tensors the rank holds (ZeRO-1's flat shard holds about 1/dp of them,
+    FSDP's a piece of every one)."""
     device = setting.device
     worst = max(memory, key=lambda r: r["params"])
     state = STATE_BYTES[plan.precision or setting.precision]
@@ -457,7 +459,7 @@ def optimizer_time(setting: Setting, plan: Plan, memory: list[dict], costs, stag
     elements = worst["optimizer"] / (state.optimizer + state.master)
     tensors = max(sum(stages[s][kind] * costs.param_tensors.get(kind, 0)
                       for s in held for kind in stages[s]) for held in ranks.values())
-    if plan.zero1:
+    if plan.zero1 and not setting.fsdp:  # a flat shard; FSDP shards every tensor instead
         tensors = max(1, tensors // max(1, plan.dp or 1))
     grads = worst["params"] / element
     if device.adamw_s_per_element:
