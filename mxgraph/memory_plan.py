@@ -136,17 +136,28 @@ def target_device_type(flash_attention: bool) -> str:
     return "cuda" if flash_attention else "cpu"
 
 
+FLASH_RECOMPUTE = "as_flash_attention"
+"""`meta["created_by"]` of the nodes `_as_flash_attention` adds: the fused kernel's own
+recompute inside its backward, or work a GPU run does not do at all (it saves q, k, v and
+the output); Auto Search does not price them (`layer_cost.read_costs`)."""
+
+
 def _as_flash_attention(gm) -> None:
     """Math attention (softmax between two bmms: what the CPU trace picks when q/k and v
     head dims differ, as in MLA) saves S x S matrices that a fused attention kernel never
-    stores: recompute those units, as flash attention's backward does."""
+    stores: recompute those units, as flash attention's backward does. The nodes it adds
+    are tagged `FLASH_RECOMPUTE`."""
     nodes = set()
     for unit in all_units(gm, {"attn"}):
         if not any(packet(n) in ATTENTION_OPS or fused_kind(n) or fused_kind(n, backward=True)
                    for n in unit.nodes):  # neither SDPA nor a fused kernel: math attention
             nodes |= unit.nodes
     if nodes:
+        before = set(gm.graph.nodes)
         apply_remat(gm, nodes)
+        for node in gm.graph.nodes:
+            if node not in before:
+                node.meta["created_by"] = FLASH_RECOMPUTE
 
 
 def trace_layer_activations(config, plan: Plan, batch_size: int, seq_len: int,

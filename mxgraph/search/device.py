@@ -127,7 +127,7 @@ class DeviceProfile:
     """FLOPs of an attention call that reaches half of attention_efficiency."""
     attention_kernels: dict = field(default_factory=dict)
     """Other fused attention kernels the device runs, by name, each with its
-    attention_efficiency (e.g. {"fa2": 0.33}: FlashAttention-2 on a Hopper part, whose
+    attention_efficiency (e.g. {"fa2": 0.28}: FlashAttention-2 on a Hopper part, whose
     default is cuDNN's); `with_attention_kernel` prices a run that used one. In a TOML
     device file an [attention_kernels] table."""
     memory_efficiency: float = 0.85

@@ -53,7 +53,13 @@ from mxgraph.context import CompileContext
 from mxgraph.cost import node_cost
 from mxgraph.driver import compile_step, fake_model, paper_mesh, run
 from mxgraph.ir import copy_module, packet
-from mxgraph.memory_plan import SavedByKind, recompute_math_attention, saved_by_layer, target_device_type
+from mxgraph.memory_plan import (
+    FLASH_RECOMPUTE,
+    SavedByKind,
+    recompute_math_attention,
+    saved_by_layer,
+    target_device_type,
+)
 from mxgraph.memory_saved import node_bytes, size_hints
 from mxgraph.passes.pipeline import PIPELINE
 from mxgraph.plan import Plan
@@ -244,8 +250,13 @@ def _add(parts: dict, small, node, where: dict, ep: int, fused, tokens: int) -> 
 def _fused_recompute(node) -> bool:
     """A value auto remat recomputes under Inductor codegen: Inductor lowers it inside the
     backward kernel that reads it (what the min-cut partitioner recomputes is pointwise,
-    views and row reductions), so it costs no launch and no memory traffic of its own."""
-    return node.meta.get("created_by") == "auto_remat" and "recomputed_from" in node.meta
+    views and row reductions), so it costs no launch and no memory traffic of its own. Or
+    one that math attention's stand-in for a fused kernel recomputes (`FLASH_RECOMPUTE`):
+    the kernel's backward recomputes its scores on chip (inside its FLOPs as the cost rules
+    count them: twice the forward's) and saves q, k, v and its output instead of
+    recomputing the unit around it."""
+    created_by = node.meta.get("created_by")
+    return "recomputed_from" in node.meta and created_by in ("auto_remat", FLASH_RECOMPUTE)
 
 
 

@@ -52,9 +52,16 @@ class FusedAttention:
     keys: frozenset
     """Their last dim (Sk)."""
     causal: bool
+    ops: frozenset = frozenset()
+    """Autograd sequence numbers (`meta["seq_nr"]`) of the ops an SDPA call decomposed
+    into: with its S x S matrices, its casts of q, k, v to the math dtype, their scaling
+    and the output's cast back, and (same numbers) the gradients of all of these."""
 
     def holds(self, node) -> bool:
-        """The node reads or writes one of the S x S matrices."""
+        """The node reads or writes one of the S x S matrices, or is an op of a decomposed
+        SDPA call (`ops`): a fused kernel reads q, k, v as they are and scales on chip."""
+        if node.meta.get("seq_nr") in self.ops:
+            return True
         for value in [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]:
             shape = getattr(value, "shape", None)
             if shape is not None and len(shape) >= 2 and concrete(shape[-1]) in self.keys and \
@@ -77,12 +84,18 @@ def fused_attention(gm, seq_len: int, cp: int) -> FusedAttention | None:
     under a causal mask (the kernel skips the masked blocks, as `cost._attention_flops`
     counts SDPA). Softmaxes whose last two dims are query and key lengths (the local
     sequence, or the whole one under cp) mark it; a triangular mask of that shape makes it
-    causal. None when the graph has none (SDPA kernels are priced by their own rules)."""
+    causal. An SDPA call the trace decomposed into math (its ops' `meta["torch_fn"]` names
+    it) casts q, k, v to fp32 and scales q and k first; those ops and their gradients are the
+    fused kernel's too (`FusedAttention.ops`), as is a contiguous copy of its output
+    (`_output_copy`). None when the graph has none (SDPA kernels
+    are priced by their own rules)."""
     lengths = {seq_len, seq_len // cp}
-    numels, keys, causal = set(), set(), False
+    numels, keys, causal, ops = set(), set(), False, set()
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
+        if node.meta.get("seq_nr") is not None and (_from_sdpa(node) or _output_copy(node)):
+            ops.add(node.meta["seq_nr"])
         shape = getattr(node.meta.get("val"), "shape", None)
         if shape is None or len(shape) < 2 or not {concrete(shape[-1]), concrete(shape[-2])} <= lengths:
             continue
@@ -91,7 +104,31 @@ def fused_attention(gm, seq_len: int, cp: int) -> FusedAttention | None:
             keys.add(concrete(shape[-1]))
         elif packet(node) in (torch.ops.aten.tril, torch.ops.aten.triu):
             causal = True
-    return FusedAttention(frozenset(numels), frozenset(keys), causal) if numels else None
+    return FusedAttention(frozenset(numels), frozenset(keys), causal, frozenset(ops)) \
+        if numels else None
+
+
+VIEWS = {torch.ops.aten.transpose, torch.ops.aten.permute, torch.ops.aten.view,
+         torch.ops.aten._unsafe_view, torch.ops.aten.reshape}
+
+
+def _output_copy(node) -> bool:
+    """A contiguous copy of a decomposed SDPA call's output seen through views (the
+    heads-to-hidden transpose and reshape after attention): a fused kernel writes its
+    output as (batch, sequence, heads, dim), where that transpose is a view."""
+    if packet(node) is not torch.ops.aten.clone:
+        return False
+    source = node.args[0]
+    while getattr(source, "op", None) == "call_function" and packet(source) in VIEWS:
+        source = source.args[0]
+    return getattr(source, "op", None) == "call_function" and _from_sdpa(source)
+
+
+def _from_sdpa(node) -> bool:
+    """The node is one op of a `scaled_dot_product_attention` call decomposed by the trace
+    (`meta["torch_fn"]`: the Python call it came from, as (name, qualified function))."""
+    torch_fn = node.meta.get("torch_fn")
+    return bool(torch_fn) and str(torch_fn[-1]).endswith("scaled_dot_product_attention")
 
 
 def add_node(part: PartCost, node, ep: int, fused: FusedAttention | None = None,
