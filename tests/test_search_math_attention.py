@@ -13,7 +13,7 @@ from mxgraph.search.layer_cost import TraceCache, TraceKey
 from mxgraph.search.profiles import A100, H100
 
 
-@pytest.mark.parametrize("recompute", ["", "full"])
+@pytest.mark.parametrize("recompute", ["", "full", "op_sac"])
 def test_decomposed_sdpa_costs_what_the_sdpa_kernel_costs(recompute):
     """MLA with v's head dim equal to q/k's: the CPU runs SDPA as one flash kernel; forced
     to the math backend the same call decomposes into casts of q, k, v to fp32, their
@@ -21,8 +21,10 @@ def test_decomposed_sdpa_costs_what_the_sdpa_kernel_costs(recompute):
     recomputes the attention unit in the backward. On a flash device both graphs must price
     the same: every GEMM, attention FLOP and memory-bound byte of every layer kind and
     program, exactly (the decomposition's casts, scaling, output copy and recompute are
-    the kernel's own work); the backward's attention is twice the forward's, as the
-    cost rules count a flash backward, plus the forward again under full recompute."""
+    the kernel's own work) under no recompute, full recompute (the kernel runs again) and
+    torchtitan's op policy (it keeps the kernel's output: none of the math is recomputed);
+    the backward's attention is twice the forward's, as the cost rules count a flash
+    backward, plus the forward again under full recompute."""
     config = models.preset_config("moe-tiny")
     config = dataclasses.replace(config, v_head_dim=config.qk_nope_head_dim +
                                  config.qk_rope_head_dim)
@@ -35,7 +37,7 @@ def test_decomposed_sdpa_costs_what_the_sdpa_kernel_costs(recompute):
         a, b = kernel.parts[part], math.parts[part]
         assert (sum(a.gemms), sum(a.attention), sum(a.memory), len(a.memory)) == \
             (sum(b.gemms), sum(b.attention), sum(b.memory), len(b.memory)), part
-    backward = 3 if recompute else 2  # (the recomputed forward and) twice the forward
+    backward = 3 if recompute == "full" else 2  # (the forward again and) twice the forward
     assert sum(math.part("dense", "B").attention) == \
         backward * sum(math.part("dense", "F").attention)
 

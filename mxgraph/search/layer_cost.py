@@ -29,7 +29,10 @@ with `expert_impl="grouped_mm"` (the same math as a loop over experts, static sh
 under ep > 1 the rows a rank receives are data-dependent: nodes whose shapes are, count at
 the balanced share, their upper bound / ep (the traced ep is 2, and the balanced per-rank
 rows do not depend on ep). On a flash-attention device, math attention (the CPU trace's
-MLA) is priced as the fused kernel the GPU runs (`fused_attention`). Collectives come from
+MLA) is priced as the fused kernel the GPU runs (`fused_attention`): the decomposed SDPA
+call's casts and scaling, and what its stand-in recomputes for the backward, are the
+kernel's own work, and a policy that keeps the kernel's output (any but full or attn)
+recomputes none of it. Collectives come from
 `comm_graph.graph_entries` per program, data-dependent sizes at the balanced share too.
 Parameters are the joint graph's parameter placeholders at their local (sharded) shapes;
 saved activations are read from the same joint graph (`memory_plan.saved_by_layer`). The
@@ -318,9 +321,12 @@ def read_costs(traced: Traced, compilation, key: TraceKey, seq_len: int,
     fused = fused_attention(joint.gm, seq_len, key.cp) if key.flash_attention else None
     parts: dict[tuple[str, str], PartCost] = {}
     decomposed: dict[str, tuple] = {}  # op decomposed by auto remat -> (bytes, its largest node)
+    kept_attention = fused is not None and not {"full", "attn"} & set(key.recompute.split(","))
     for node in joint.gm.graph.nodes:
         if node.op != "call_function" or node.name not in where or _fused_recompute(node):
             continue
+        if kept_attention and "recomputed_from" in node.meta and fused.holds(node):
+            continue  # a policy that keeps a fused kernel's output recomputes none of it
         group = node.meta.get("decomposed_from")
         if group is not None:  # one kernel under Inductor: priced as its largest node
             size = node_cost(node).bytes
