@@ -141,6 +141,13 @@ def is_forward_op(node: Node) -> bool:
     return node.op == "call_function" and not is_backward(node)
 
 
+def from_sdpa(node: Node) -> bool:
+    """A forward op of a `scaled_dot_product_attention` call the trace decomposed into math
+    (`meta["torch_fn"]`: the Python call it came from, as (name, qualified function))."""
+    torch_fn = node.meta.get("torch_fn")
+    return bool(torch_fn) and str(torch_fn[-1]).endswith("scaled_dot_product_attention")
+
+
 def is_alias(node: Node) -> bool:
     """`node`'s value shares the storage of its first input: a view op (`is_view`), an op
     of `ALIAS_OPS`, a getitem of a view-returning op (split, unbind), or an op marked

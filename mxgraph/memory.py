@@ -7,6 +7,8 @@ the largest sum of live bytes at any node, counting the node's inputs and output
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.fx import Node
 
@@ -33,8 +35,11 @@ def storage_root(node: Node, roots: dict[Node, Node]) -> Node:
     return node
 
 
-def estimate_peak(gm: torch.fx.GraphModule) -> tuple[int, int]:
-    """(peak bytes, resident bytes of placeholders)."""
+def estimate_peak(gm: torch.fx.GraphModule,
+                  share: Callable[[Node], float] | None = None) -> tuple[int, int]:
+    """(peak bytes, resident bytes of placeholders); `share(node)`: the part of the node's
+    bytes that counts (default all; 0 for a value a fused kernel keeps on chip, or one
+    counted elsewhere)."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     roots: dict[Node, Node] = {}
@@ -49,7 +54,7 @@ def estimate_peak(gm: torch.fx.GraphModule) -> tuple[int, int]:
     live = peak = resident
     for node in nodes:
         if node.op == "call_function" and roots[node] is node:
-            size = value_bytes(node)
+            size = value_bytes(node) * (1 if share is None else share(node))
             live += size
             peak = max(peak, live)
             frees[last_use[node]] = frees.get(last_use[node], 0) + size

@@ -48,7 +48,7 @@ import torch
 from mxgraph.context import CompileContext
 from mxgraph.driver import compile_step, fake_model
 from mxgraph.errors import PlanError
-from mxgraph.ir import ATTENTION_OPS, fused_kind, packet
+from mxgraph.ir import ATTENTION_OPS, from_sdpa, fused_kind, is_backward, packet
 from mxgraph.memory import estimate_peak
 from mxgraph.memory_saved import node_bytes, saved_roots, size_hints
 from mxgraph.passes.memory.regions import Graph, all_units, norm_units
@@ -145,19 +145,36 @@ the output); Auto Search does not price them (`layer_cost.read_costs`)."""
 def _as_flash_attention(gm) -> None:
     """Math attention (softmax between two bmms: what the CPU trace picks when q/k and v
     head dims differ, as in MLA) saves S x S matrices that a fused attention kernel never
-    stores: recompute those units, as flash attention's backward does. The nodes it adds
-    are tagged `FLASH_RECOMPUTE`."""
-    nodes = set()
-    for unit in all_units(gm, {"attn"}):
-        if not any(packet(n) in ATTENTION_OPS or fused_kind(n) or fused_kind(n, backward=True)
-                   for n in unit.nodes):  # neither SDPA nor a fused kernel: math attention
-            nodes |= unit.nodes
+    stores: recompute them, as flash attention's backward does. An SDPA call the trace
+    decomposed recomputes its inner values (q, k and v cast and scaled, scores,
+    probabilities: `sdpa_inner`) from q, k and v, which stay saved as the kernel saves
+    them; attention written as math without SDPA recomputes its whole unit. The nodes it
+    adds are tagged `FLASH_RECOMPUTE`."""
+    nodes = sdpa_inner(gm)
+    if not nodes:
+        for unit in all_units(gm, {"attn"}):
+            if not any(packet(n) in ATTENTION_OPS or fused_kind(n) or fused_kind(n, backward=True)
+                       for n in unit.nodes):  # neither SDPA nor a fused kernel: math attention
+                nodes |= unit.nodes
     if nodes:
         before = set(gm.graph.nodes)
         apply_remat(gm, nodes)
         for node in gm.graph.nodes:
             if node not in before:
                 node.meta["created_by"] = FLASH_RECOMPUTE
+
+
+def sdpa_inner(gm) -> set:
+    """Forward values of decomposed SDPA calls (`ir.from_sdpa`) that only the call's own
+    ops read in the forward: everything but each call's output."""
+    calls = {n for n in gm.graph.nodes if n.op == "call_function" and from_sdpa(n)
+             and not is_backward(n)}
+    inner = set()
+    for node in calls:
+        readers = [user for user in node.users if not is_backward(user)]
+        if readers and all(user in calls for user in readers):
+            inner.add(node)
+    return inner
 
 
 def trace_layer_activations(config, plan: Plan, batch_size: int, seq_len: int,
@@ -363,13 +380,15 @@ def recompute_math_attention(gm) -> None:
     _as_flash_attention(gm)
 
 
-def saved_by_layer(gm, kind_of) -> SavedByKind:
+def saved_by_layer(gm, kind_of, share=None) -> SavedByKind:
     """Attribute the saved values of `gm` (a joint graph after the joint passes, sharded
     or not) to `kind_of(layer, module)` of the node that produced each one (its
     `meta["custom"]`; a node the passes added takes its first input's). A value a layer
     saves of its input counts for the layer that produced it: over a stack of equal layers
     that is the same bytes per layer as the trace differences of
-    `trace_layer_activations`, from one compile. No graph is changed."""
+    `trace_layer_activations`, from one compile. No graph is changed. `share(node)`: the
+    part of a value's bytes that counts, saved and in the liveness peak (default all;
+    `memory.estimate_peak`)."""
     hints = size_hints(gm)
     device, host = saved_roots(gm)
     replicated = set().union(*norm_units(Graph(gm)), set())
@@ -377,10 +396,11 @@ def saved_by_layer(gm, kind_of) -> SavedByKind:
     for nodes, bucket in ((device, out.device), (host, out.host)):
         for node in nodes:
             kind = kind_of(*_layer_of(node))
-            bucket[kind] = bucket.get(kind, 0) + node_bytes(node, hints)
+            size = node_bytes(node, hints) * (1 if share is None else share(node))
+            bucket[kind] = bucket.get(kind, 0) + size
             if bucket is out.device and (node in replicated or _is_residual(node)):
-                out.whole[kind] = out.whole.get(kind, 0) + node_bytes(node, hints)
-    peak, resident = estimate_peak(gm)
+                out.whole[kind] = out.whole.get(kind, 0) + size
+    peak, resident = estimate_peak(gm, share)
     out.transient = max(0, peak - resident - sum(out.device.values()))
     return out
 

@@ -64,6 +64,14 @@ def test_peak_memory_of_a_chain():
     assert peak == 400 + 400 + 400  # a and b live together while b is computed
 
 
+def test_peak_memory_leaves_out_what_a_kernel_keeps_on_chip():
+    # the same chain with a = x+1 kept on chip (share 0): b (400 B) and its sum (4 B)
+    gm = traced(lambda x: ((x + 1) * 2).sum(), torch.randn(100))
+    first = next(n for n in gm.graph.nodes if n.op == "call_function")
+    peak, resident = estimate_peak(gm, lambda node: 0.0 if node is first else 1.0)
+    assert (peak, resident) == (400 + 400 + 4, 400)
+
+
 def test_peak_memory_views_keep_base_alive():
     # a view of `a` used late keeps a's 400 B alive while `b` exists
     def fn(x):

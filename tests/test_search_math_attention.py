@@ -24,7 +24,9 @@ def test_decomposed_sdpa_costs_what_the_sdpa_kernel_costs(recompute):
     the kernel's own work) under no recompute, full recompute (the kernel runs again) and
     torchtitan's op policy (it keeps the kernel's output: none of the math is recomputed);
     the backward's attention is twice the forward's, as the cost rules count a flash
-    backward, plus the forward again under full recompute."""
+    backward, plus the forward again under full recompute. Without recompute the
+    transient working set is the kernel's too (the values it keeps on chip count nothing:
+    `FusedAttention.on_chip`)."""
     config = models.preset_config("moe-tiny")
     config = dataclasses.replace(config, v_head_dim=config.qk_nope_head_dim +
                                  config.qk_rope_head_dim)
@@ -37,6 +39,8 @@ def test_decomposed_sdpa_costs_what_the_sdpa_kernel_costs(recompute):
         a, b = kernel.parts[part], math.parts[part]
         assert (sum(a.gemms), sum(a.attention), sum(a.memory), len(a.memory)) == \
             (sum(b.gemms), sum(b.attention), sum(b.memory), len(b.memory)), part
+    if not recompute:  # the working set: no S x S matrix, no fp32 copy of q, k, v
+        assert math.saved.transient == kernel.saved.transient
     backward = 3 if recompute == "full" else 2  # (the forward again and) twice the forward
     assert sum(math.part("dense", "B").attention) == \
         backward * sum(math.part("dense", "F").attention)

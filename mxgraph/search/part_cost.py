@@ -13,7 +13,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from mxgraph.cost import concrete, node_cost, tensor_meta
-from mxgraph.ir import ATTENTION_OPS, MATMUL_OPS, packet
+from mxgraph.ir import ATTENTION_OPS, MATMUL_OPS, from_sdpa, packet
 
 GROUPED = {"grouped_mm", "grouped_mm_wgrad"}
 ATTENTION_BACKWARD = {"_scaled_dot_product_flash_attention_backward",
@@ -57,6 +57,17 @@ class FusedAttention:
     into: with its S x S matrices, its casts of q, k, v to the math dtype, their scaling
     and the output's cast back, and (same numbers) the gradients of all of these."""
 
+    def on_chip(self, node) -> bool:
+        """The node's value stays inside the fused kernel: an S x S matrix, or a value of
+        the decomposed call that only the call's own ops read (q, k, v cast and scaled,
+        the fp32 output before its cast back; their gradients alike)."""
+        shape = getattr(node.meta.get("val"), "shape", None)
+        if shape is not None and len(shape) >= 2 and concrete(shape[-1]) in self.keys and \
+                numel(shape) in self.numels:
+            return True
+        return node.meta.get("seq_nr") in self.ops and bool(node.users) and all(
+            user.meta.get("seq_nr") in self.ops for user in node.users)
+
     def holds(self, node) -> bool:
         """The node reads or writes one of the S x S matrices, or is an op of a decomposed
         SDPA call (`ops`): a fused kernel reads q, k, v as they are and scales on chip."""
@@ -94,7 +105,7 @@ def fused_attention(gm, seq_len: int, cp: int) -> FusedAttention | None:
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
-        if node.meta.get("seq_nr") is not None and (_from_sdpa(node) or _output_copy(node)):
+        if node.meta.get("seq_nr") is not None and (from_sdpa(node) or _output_copy(node)):
             ops.add(node.meta["seq_nr"])
         shape = getattr(node.meta.get("val"), "shape", None)
         if shape is None or len(shape) < 2 or not {concrete(shape[-1]), concrete(shape[-2])} <= lengths:
@@ -121,14 +132,10 @@ def _output_copy(node) -> bool:
     source = node.args[0]
     while getattr(source, "op", None) == "call_function" and packet(source) in VIEWS:
         source = source.args[0]
-    return getattr(source, "op", None) == "call_function" and _from_sdpa(source)
+    return getattr(source, "op", None) == "call_function" and from_sdpa(source)
 
 
-def _from_sdpa(node) -> bool:
-    """The node is one op of a `scaled_dot_product_attention` call decomposed by the trace
-    (`meta["torch_fn"]`: the Python call it came from, as (name, qualified function))."""
-    torch_fn = node.meta.get("torch_fn")
-    return bool(torch_fn) and str(torch_fn[-1]).endswith("scaled_dot_product_attention")
+
 
 
 def add_node(part: PartCost, node, ep: int, fused: FusedAttention | None = None,
