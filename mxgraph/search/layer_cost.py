@@ -262,7 +262,6 @@ def _fused_recompute(node) -> bool:
     return "recomputed_from" in node.meta and created_by in ("auto_remat", FLASH_RECOMPUTE)
 
 
-
 def _steps(first: str, last: str):
     names = [spec.name for spec in PIPELINE]
     return PIPELINE[names.index(first):names.index(last) + 1]

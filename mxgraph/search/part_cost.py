@@ -57,13 +57,17 @@ class FusedAttention:
     into: with its S x S matrices, its casts of q, k, v to the math dtype, their scaling
     and the output's cast back, and (same numbers) the gradients of all of these."""
 
+    def scores(self, value) -> bool:
+        """`value` (a node's meta value) is one of the S x S matrices."""
+        shape = getattr(value, "shape", None)
+        return shape is not None and len(shape) >= 2 and concrete(shape[-1]) in self.keys \
+            and numel(shape) in self.numels
+
     def on_chip(self, node) -> bool:
         """The node's value stays inside the fused kernel: an S x S matrix, or a value of
         the decomposed call that only the call's own ops read (q, k, v cast and scaled,
         the fp32 output before its cast back; their gradients alike)."""
-        shape = getattr(node.meta.get("val"), "shape", None)
-        if shape is not None and len(shape) >= 2 and concrete(shape[-1]) in self.keys and \
-                numel(shape) in self.numels:
+        if self.scores(node.meta.get("val")):
             return True
         return node.meta.get("seq_nr") in self.ops and bool(node.users) and all(
             user.meta.get("seq_nr") in self.ops for user in node.users)
@@ -71,14 +75,9 @@ class FusedAttention:
     def holds(self, node) -> bool:
         """The node reads or writes one of the S x S matrices, or is an op of a decomposed
         SDPA call (`ops`): a fused kernel reads q, k, v as they are and scales on chip."""
-        if node.meta.get("seq_nr") in self.ops:
-            return True
-        for value in [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes]:
-            shape = getattr(value, "shape", None)
-            if shape is not None and len(shape) >= 2 and concrete(shape[-1]) in self.keys and \
-                    numel(shape) in self.numels:
-                return True
-        return False
+        return node.meta.get("seq_nr") in self.ops or any(
+            self.scores(value) for value in
+            [node.meta.get("val")] + [a.meta.get("val") for a in node.all_input_nodes])
 
 
 SOFTMAX = {torch.ops.aten._softmax, torch.ops.aten._safe_softmax,
@@ -98,8 +97,8 @@ def fused_attention(gm, seq_len: int, cp: int) -> FusedAttention | None:
     causal. An SDPA call the trace decomposed into math (its ops' `meta["torch_fn"]` names
     it) casts q, k, v to fp32 and scales q and k first; those ops and their gradients are the
     fused kernel's too (`FusedAttention.ops`), as is a contiguous copy of its output
-    (`_output_copy`). None when the graph has none (SDPA kernels
-    are priced by their own rules)."""
+    (`_output_copy`). None when the graph has none (SDPA kernels are priced by their own
+    rules)."""
     lengths = {seq_len, seq_len // cp}
     numels, keys, causal, ops = set(), set(), False, set()
     for node in gm.graph.nodes:
@@ -133,9 +132,6 @@ def _output_copy(node) -> bool:
     while getattr(source, "op", None) == "call_function" and packet(source) in VIEWS:
         source = source.args[0]
     return getattr(source, "op", None) == "call_function" and from_sdpa(source)
-
-
-
 
 
 def add_node(part: PartCost, node, ep: int, fused: FusedAttention | None = None,
