@@ -13,7 +13,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from mxgraph.cost import concrete, node_cost, tensor_meta
-from mxgraph.ir import ATTENTION_OPS, MATMUL_OPS, from_sdpa, packet
+from mxgraph.ir import ATTENTION_OPS, COPY_OPS, MATMUL_OPS, from_sdpa, is_alias, packet
 
 GROUPED = {"grouped_mm", "grouped_mm_wgrad"}
 ATTENTION_BACKWARD = {"_scaled_dot_product_flash_attention_backward",
@@ -118,20 +118,17 @@ def fused_attention(gm, seq_len: int, cp: int) -> FusedAttention | None:
         if numels else None
 
 
-VIEWS = {torch.ops.aten.transpose, torch.ops.aten.permute, torch.ops.aten.view,
-         torch.ops.aten._unsafe_view, torch.ops.aten.reshape}
-
-
 def _output_copy(node) -> bool:
     """A contiguous copy of a decomposed SDPA call's output seen through views (the
     heads-to-hidden transpose and reshape after attention): a fused kernel writes its
     output as (batch, sequence, heads, dim), where that transpose is a view."""
-    if packet(node) is not torch.ops.aten.clone:
+    if node.target not in COPY_OPS:
         return False
     source = node.args[0]
-    while getattr(source, "op", None) == "call_function" and packet(source) in VIEWS:
+    while isinstance(source, torch.fx.Node) and is_alias(source):
         source = source.args[0]
-    return getattr(source, "op", None) == "call_function" and from_sdpa(source)
+    return isinstance(source, torch.fx.Node) and source.op == "call_function" and \
+        from_sdpa(source)
 
 
 def add_node(part: PartCost, node, ep: int, fused: FusedAttention | None = None,
