@@ -11,6 +11,7 @@ import datetime
 import faulthandler
 import os
 import socket
+import tempfile
 import traceback
 from multiprocessing import reduction
 
@@ -52,11 +53,19 @@ def _detach(dup) -> int:
     return dup.detach()
 
 
-def _worker(rank, world, port, env, fds, fn, args, errors):
+_fatal_log = None
+"""The open file a rank's faulthandler writes to (kept open for the rank's life)."""
+
+
+def _worker(rank, world, port, env, fds, fatal_path, fn, args, errors):
+    global _fatal_log
     for fd, target in zip(fds, (1, 2), strict=True):  # print where a spawned rank would: the caller's
         os.dup2(fd, target)              # stdout and stderr (pytest's capture)
         os.close(fd)
-    faulthandler.enable()  # a rank killed by a signal (SIGSEGV, SIGABRT) prints its stacks
+    # a rank killed by a signal (SIGSEGV, SIGABRT) writes its threads' stacks there, and
+    # run_ranks puts them in its failure message (captured stderr may be cut from a CI log)
+    _fatal_log = open(fatal_path, "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(file=_fatal_log, all_threads=True)
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -84,17 +93,30 @@ def run_ranks(world: int, fn, *args) -> None:
     errors = ctx.SimpleQueue()
     port = _free_port()
     fds = (_ParentFd(1), _ParentFd(2))
-    procs = [ctx.Process(target=_worker, args=(r, world, port, dict(os.environ), fds, fn, args,
-                                               errors))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    codes = [p.exitcode for p in procs]
+    with tempfile.TemporaryDirectory(prefix="mxgraph-ranks-") as fatal_dir:
+        paths = [os.path.join(fatal_dir, f"rank{r}.txt") for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, port, dict(os.environ), fds,
+                                                   paths[r], fn, args, errors))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+        failures = []
+        while not errors.empty():
+            failures.append(errors.get())
+        codes = [p.exitcode for p in procs]
+        # a negative code is the signal that killed that rank (-9: SIGKILL, e.g. out of
+        # memory; -11: SIGSEGV); first in the message, with the stacks it left
+        killed = [f"rank {r} killed by signal {-code}; its threads' stacks:\n{_read(paths[r])}"
+                  for r, code in enumerate(codes) if code is not None and code < 0]
     if failures or any(code != 0 for code in codes):
-        # a negative code is the signal that killed that rank (-9: SIGKILL, e.g. out of memory)
-        raise AssertionError("\n".join([f"exit codes by rank {codes}", *failures]))
+        raise AssertionError("\n".join([f"exit codes by rank {codes}", *killed, *failures]))
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip() or "(none written)"
+    except OSError as error:
+        return f"(unreadable: {error})"
