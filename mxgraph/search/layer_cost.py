@@ -65,7 +65,7 @@ from mxgraph.memory_plan import (
 )
 from mxgraph.memory_saved import node_bytes, size_hints
 from mxgraph.passes.pipeline import PIPELINE
-from mxgraph.plan import Plan
+from mxgraph.plan import Plan, parse_list
 from mxgraph.search.part_cost import PartCost, add_node, fused_attention, numel
 
 PROGRAMS = ("F", "B", "W")
@@ -320,7 +320,7 @@ def read_costs(traced: Traced, compilation, key: TraceKey, seq_len: int,
     fused = fused_attention(joint.gm, seq_len, key.cp) if key.flash_attention else None
     parts: dict[tuple[str, str], PartCost] = {}
     decomposed: dict[str, tuple] = {}  # op decomposed by auto remat -> (bytes, its largest node)
-    kept_attention = fused is not None and not {"full", "attn"} & set(key.recompute.split(","))
+    kept_attention = fused is not None and not {"full", "attn"} & set(parse_list(key.recompute))
     for node in joint.gm.graph.nodes:
         if node.op != "call_function" or node.name not in where or _fused_recompute(node):
             continue
