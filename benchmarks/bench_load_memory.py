@@ -69,7 +69,6 @@ def worker(directory: str, plan_text: str, out: str) -> None:
     import mxgraph.hf
     from mxgraph.plan import Plan
     from mxgraph.pretrained import load_weights
-    from mxgraph.runtime.cluster.launch import close_process_group
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     after_imports = status_kib("VmRSS")
@@ -89,7 +88,8 @@ def worker(directory: str, plan_text: str, out: str) -> None:
                "peak_during_load_mib": load_peak * 1024 / MIB, "peak_reset": reset,
                "held_parameters_mib": held / MIB}
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(figures))
-    close_process_group()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def main(argv=None) -> dict:

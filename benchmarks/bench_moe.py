@@ -113,8 +113,6 @@ def worker(args) -> None:
     """One rank under torchrun: every row x routing; rank 0 writes the gathered results."""
     import torch
     import torch.distributed as dist
-
-    from mxgraph.runtime.cluster.launch import close_process_group
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     vocab = _build(args.model, 0.0).config.vocab_size
@@ -141,7 +139,7 @@ def worker(args) -> None:
     rows.sort(key=lambda r: (list(biases).index(r["routing"]), list(ROWS).index(r["row"])))
     if rank == 0:
         Path(args.json).write_text(json.dumps(rows))
-    close_process_group()  # behind a barrier: no gloo thread outlives the process
+    dist.destroy_process_group()
 
 
 def _build(name: str, bias: float):
