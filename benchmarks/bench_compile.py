@@ -7,7 +7,7 @@ Models: presets (`llama-tiny`, `llama-20m`, ...) and `hf-llama-20m`, a Hugging F
 For each model: compile time (first step minus a warm step), median step time
 (forward + backward, fill .grad), tokens/s, MFU (the model's FLOPs per token as mxgraph
 counts them, `mxgraph.flops`, x tokens/s / the device's peak: on the CPU the measured fp32
-GEMM rate, `mxgraph.metrics.cpu_peak_flops`), and peak memory of the timed steps: on the CPU
+GEMM rate, `mxgraph.train.metrics.cpu_peak_flops`), and peak memory of the timed steps: on the CPU
 the resident memory above the resident memory before them (Linux VmHWM after resetting
 it), on a GPU `torch.cuda.max_memory_allocated` above the allocation before them. Each
 (model, runner) pair runs in its own subprocess so memory and caches do not leak between
@@ -84,11 +84,11 @@ def build(model_name: str, runner: str, batch_size: int, seq_len: int, device: s
 
     import models
     import mxgraph
-    from mxgraph.flops import model_flops_per_token
+    from mxgraph.train.flops import model_flops_per_token
 
     torch.manual_seed(0)
     if model_name in HF_MODELS:
-        from mxgraph.hf import build_hf_model
+        from mxgraph.hf.models import build_hf_model
         spec, config = HF_MODELS[model_name]
         config = config if layers is None else {**config, "num_hidden_layers": layers}
         model = build_hf_model(spec, config, dtype=getattr(torch, dtype)).to(device)
@@ -166,8 +166,8 @@ def measure(model_name: str, runner: str, steps: int, batch_size: int, seq_len: 
         model.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated() if gpu else _status_kib("VmHWM") * 1024
     step_s = statistics.median(times)
-    from mxgraph.metrics import device_peak
     from mxgraph.runtime.cluster.device import detect
+    from mxgraph.train.metrics import device_peak
     peak_flops = device_peak(None, detect(torch.device(device)))[1]
     row = {"model": model_name, "runner": runner, "device": device, "dtype": dtype,
             "params": sum(p.numel() for p in model.parameters()),

@@ -1,5 +1,5 @@
 """Peak resident memory of each rank while it loads a pretrained Hugging Face model under
-tensor parallelism (`mxgraph/pretrained.py`), against the whole model's size.
+tensor parallelism (`mxgraph/hf/pretrained.py`), against the whole model's size.
 
 A Llama of about 1 GB in fp32 (hidden 2048, MLP 5632, vocabulary 32000, 3 layers) is made
 with random weights and saved with `save_pretrained` in a temporary directory; then
@@ -67,8 +67,8 @@ def worker(directory: str, plan_text: str, out: str) -> None:
 
     import mxgraph
     import mxgraph.hf
+    from mxgraph.hf.pretrained import load_weights
     from mxgraph.plan import Plan
-    from mxgraph.pretrained import load_weights
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     after_imports = status_kib("VmRSS")

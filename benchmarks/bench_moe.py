@@ -41,7 +41,7 @@ max):
   all reach), so data-dependent dropless sizes count as they were; the per-expert count
   exchanges are included. Every collective kind's input bytes are in the JSON.
 - comm ms / exposed / hidden / a2a exp ms: from the same profiled step's Chrome trace
-  through mxgraph/overlap_report.py: transfer time of all collectives, the part of it
+  through mxgraph/train/overlap_report.py: transfer time of all collectives, the part of it
   with the main thread computing nothing, 1 - exposed/comm, and the exposed part of the
   all-to-alls alone.
 - peak MiB (max over ranks): the peak of tensor memory allocated during that profiled
@@ -239,7 +239,7 @@ def _profiled(fn, path: Path, rank: int, world: int) -> dict:
     peak of tensor memory allocated during the call (see the module docstring)."""
     from torch import profiler
 
-    from mxgraph.overlap_report import overlap_summary
+    from mxgraph.train.overlap_report import overlap_summary
     with profiler.profile(activities=[profiler.ProfilerActivity.CPU], record_shapes=True,
                           profile_memory=True) as prof:
         fn()

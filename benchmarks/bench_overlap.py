@@ -6,7 +6,7 @@ gives), 2 gloo ranks run llama-20m under dp2, tp2+SP, pp2 1f1b and pp2 dualpipev
 `Plan(overlap=None)` and `Plan(overlap=True)` (tp2+SP also with `tp_chunks`), plus torch.distributed.pipelining's
 Schedule1F1B on the same link as the peer for pp2. Per row: median step time, the
 communication time and the exposed part of it from a torch.profiler trace of one step
-(mxgraph/overlap_report.py: time the compute thread spends blocked on transfers), the
+(mxgraph/train/overlap_report.py: time the compute thread spends blocked on transfers), the
 fraction hidden, and the step-time ratio off/on (> 1: overlap faster).
 
 `--layouts` runs a subset (the peer runs with "pp2 1f1b"); `--rates none` the plain loopback;
@@ -47,7 +47,7 @@ def _profiled(fn, path: Path) -> dict:
     """Profile one call of `fn` into a Chrome trace at `path`; its overlap summary."""
     import torch.profiler as profiler
 
-    from mxgraph.overlap_report import overlap_summary
+    from mxgraph.train.overlap_report import overlap_summary
     with profiler.profile(activities=[profiler.ProfilerActivity.CPU]) as prof:
         fn()
     prof.export_chrome_trace(str(path))

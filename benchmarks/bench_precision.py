@@ -35,7 +35,7 @@ import torch
 import models
 import mxgraph as mx
 from mxgraph.memory_plan import estimate_memory
-from mxgraph.train import TrainConfig, train
+from mxgraph.train.loop import TrainConfig, train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # search_worker, when imported
 

@@ -204,10 +204,10 @@ def later_steps(args, results: dict, skip: set) -> None:
 
 
 def predict_step(args, results: dict, device_path: Path | str, skip: set) -> None:
+    from mxgraph.cli.search import evaluate
+    from mxgraph.devices.catalog import load_device
     from mxgraph.plan import Plan
-    from mxgraph.search.cli import evaluate
     from mxgraph.search.enumerate import search
-    from mxgraph.search.profiles import load_device
     device = load_device(str(device_path))
     settings = {}
     wanted = {(name, model) for name, model, _ in selected_plans(args)}

@@ -122,8 +122,8 @@ def layout_text(run: dict, dp: int) -> str:
 
 def predict_run(run: dict, library) -> dict:
     """Predict one row; the result row the table and JSON print."""
+    from mxgraph.devices.catalog import load_device
     from mxgraph.search.predict import predict
-    from mxgraph.search.profiles import load_device
     from mxgraph.search.setting import Setting
     plan, mbs, dp = plan_of(run)
     passes = run["layout"].get("passes", 1)

@@ -30,11 +30,11 @@ optimizer (kept in the JSON as `sections_s`, to see where a misprediction comes 
 
 def live_tensor_bytes() -> int:
     """Bytes of every live CPU tensor's storage (each storage once), gradients and the
-    training corpus (`mxgraph.data.Batches.tokens`: host data on any device, the same for
+    training corpus (`mxgraph.data.batches.Batches.tokens`: host data on any device, the same for
     every plan) excluded."""
     import torch
 
-    from mxgraph.data import Batches
+    from mxgraph.data.batches import Batches
     objects = gc.get_objects()
     tensors = [o for o in objects if isinstance(o, torch.Tensor)]
     left_out = {_storage_key(o.tokens) for o in objects if isinstance(o, Batches)}
@@ -88,7 +88,7 @@ def worker(out: str, steps: int, warmup: int, train_argv: list[str]) -> int:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from mxgraph.cli import main as cli_main
+    from mxgraph.cli.main import main as cli_main
     rank = int(os.environ.get("RANK", "0"))
     ends: list[float] = []
     memory: dict = {}
@@ -109,7 +109,7 @@ def worker(out: str, steps: int, warmup: int, train_argv: list[str]) -> int:
             memory["step_peak_bytes"] = profile_peak(state["prof"])
             ends.append(time.perf_counter())  # the export is not the next step's time
     register_optimizer_step_post_hook(hook)
-    import mxgraph.train as train_module
+    import mxgraph.train.loop as train_module
     make_monitor, monitors = train_module.slow_node_monitor, []
 
     def keep_monitor(*args, **kwargs):  # its level-0 sections: where the step's time goes

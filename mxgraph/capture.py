@@ -20,6 +20,7 @@ from torch.export.graph_signature import InputKind, TensorArgument
 from mxgraph.errors import TraceError
 from mxgraph.functions import functions_as_ops
 from mxgraph.hops import inline_regions
+from mxgraph.runtime.param_layout import set_parameter
 
 
 @dataclass
@@ -65,13 +66,6 @@ def whole_parameters(model: torch.nn.Module, mesh, layouts: dict):
         for name, param in named:
             if id(param) in stand_ins:
                 set_parameter(model, name, param)
-
-
-def set_parameter(model: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
-    """Put `param` at the dotted `name` in `model` (one alias of a tied parameter: call it for
-    each name the old parameter has)."""
-    owner, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(owner) if owner else model, leaf, param)
 
 
 def capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> ForwardGraph:

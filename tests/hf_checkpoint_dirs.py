@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from mxgraph.data import stdlib_bytes
-from mxgraph.hf import TINY
+from mxgraph.data.batches import stdlib_bytes
+from mxgraph.hf.models import TINY
 
 EOS = "<|endoftext|>"
 TOKENIZER_VOCAB = 384

@@ -3,6 +3,8 @@
     python -m tests.import_graph            # prints "module -> module" edges, sorted
     python -m tests.import_graph --names    # with the imported names
 
+Its last line lists the import circles ("circles: none" when there are none).
+
 `tests/test_layering.py` checks the layering rules on these edges.
 """
 from __future__ import annotations
@@ -80,6 +82,13 @@ def all_imports() -> list[Import]:
     return [imp for path in source_files() for imp in imports_of(path)]
 
 
+def cycles(imports: list[Import]) -> list[list[str]]:
+    """Every import circle between modules (function-local imports included)."""
+    import networkx as nx
+    graph = nx.DiGraph((imp.source, imp.target) for imp in imports if imp.source != imp.target)
+    return sorted(nx.simple_cycles(graph))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     edges = sorted({(i.source, i.target) + ((i.names,) if "--names" in argv else ())
@@ -87,6 +96,8 @@ def main(argv=None) -> int:
     for edge in edges:
         print(f"{edge[0]} -> {edge[1]}" + (f"  {', '.join(edge[2])}" if len(edge) > 2 and
                                             edge[2] else ""))
+    circles = cycles(all_imports())
+    print("circles: " + ("; ".join(" -> ".join(c + c[:1]) for c in circles) or "none"))
     return 0
 
 

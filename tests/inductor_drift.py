@@ -19,7 +19,7 @@ import sys
 import torch
 
 import models
-from tests.test_pipeline_exec import floored_err, largest_norm
+from tests.runtime.test_pipeline_exec import floored_err, largest_norm
 
 
 def worst(model, reference, attr: str | None) -> tuple[float, str]:
@@ -33,7 +33,7 @@ def worst(model, reference, attr: str | None) -> tuple[float, str]:
 
 def drift(name: str, steps: int = 3) -> list[tuple[float, float]]:
     """(worst gradient error, worst parameter error after the update) per step."""
-    from tests.test_hf_ep_forms import MODELS
+    from tests.parallel.test_hf_ep_forms import MODELS
     torch.manual_seed(0)
     if name in MODELS:
         make, lr = MODELS[name]

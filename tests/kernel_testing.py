@@ -1,4 +1,4 @@
-"""Test helpers for the fused kernels (used by tests/test_kernels_*.py)."""
+"""Test helpers for the fused kernels (used by tests/kernels/test_*.py)."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def warm_up() -> None:
         torch.manual_seed(0)
         _step(models.build_model("llama-tiny"), 256)
         try:
-            from mxgraph.hf import TINY, build_hf_model
+            from mxgraph.hf.models import TINY, build_hf_model
             _step(build_hf_model("hf:mixtral", TINY["mixtral"]), TINY["mixtral"]["vocab_size"])
         except ImportError:  # no transformers: the presets only
             pass

@@ -1,6 +1,6 @@
 """benchmarks/bench_hf_zoo.py keeps working: the shrinker changes sizes only, the eager check
 passes a dense type and an encoder-decoder is skipped (the sample's cells under mxgraph:
-tests/test_hf_zoo_sample.py)."""
+tests/parallel/test_hf_zoo_sample.py)."""
 import importlib.util
 import pathlib
 import sys
@@ -37,7 +37,7 @@ def test_shrink_keeps_one_layer_of_each_kind():
 
 
 def test_eager_cell_passes_and_an_encoder_decoder_is_skipped():
-    """The one-device cells of the sample run in tests/test_hf_zoo_sample.py."""
+    """The one-device cells of the sample run in tests/parallel/test_hf_zoo_sample.py."""
     assert cells.eager_cell("llama")["status"] == "pass"
     assert cells.skip_reason("llama") is None
     assert "encoder-decoder" in cells.skip_reason("bart")

@@ -7,7 +7,7 @@ reports (estimate = measured bytes, 1F1B's bubble, ...). Multi-process ones are 
 counts are 2 and links the plain loopback (`--rates none`, `--rate none`). Not run here, to
 keep the file near 3 minutes on 2 cores: bench_comm's MoE plans and part 2 (gloo timing),
 bench_memory's estimator, bench_search's calibrate and scale steps (about a minute each at
-their fixed sizes). bench_kernels' kernel suite is tests/test_kernels_bench.py."""
+their fixed sizes). bench_kernels' kernel suite is tests/kernels/test_bench.py."""
 
 import importlib.util
 import json
@@ -317,7 +317,7 @@ def test_published_runs_well_formed(load):
     about its source's size, a layout whose axes divide the GPUs and the batch, a source
     and a positive published figure; row names unique (load_runs checks fields and types)."""
     import models
-    from mxgraph.search.profiles import BUILTIN
+    from mxgraph.devices.catalog import BUILTIN
     bench = load("bench_search_published")
     runs = bench.load_runs()
     assert len(runs) >= 20

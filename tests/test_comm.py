@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import models
-from mxgraph.cli import main as cli_main
+from mxgraph.cli.main import main as cli_main
 from mxgraph.comm import comm_report
 from mxgraph.dump import read_summary
 from mxgraph.plan import Plan
@@ -181,7 +181,7 @@ def test_inspect_comm_prints_the_table(tmp_path, capsys):
 
 
 def hf(family: str):
-    from mxgraph.hf import TINY, build_hf_model
+    from mxgraph.hf.models import TINY, build_hf_model
     return build_hf_model(f"hf:{family}", TINY[family])
 
 

@@ -12,7 +12,7 @@ import mxgraph as mx
 from mxgraph.capture import capture
 from mxgraph.errors import TraceError
 from tests.distributed import run_ranks
-from tests.test_pipeline_exec import check_plan
+from tests.runtime.test_pipeline_exec import check_plan
 
 VOCAB, WIDTH = 256, 32
 

@@ -3,7 +3,7 @@ import torch
 
 import models
 import mxgraph as mx
-from mxgraph.cli import main as cli_main
+from mxgraph.cli.main import main as cli_main
 from mxgraph.dump import read_summary
 from mxgraph.passes.pipeline import PIPELINE
 from tests.helpers import batch

@@ -8,7 +8,7 @@ import torch
 
 import models
 import mxgraph as mx
-from mxgraph.cli import main as cli_main
+from mxgraph.cli.main import main as cli_main
 from mxgraph.memory_plan import estimate_memory, in_flight
 from mxgraph.memory_saved import measure_step
 from tests.helpers import batch

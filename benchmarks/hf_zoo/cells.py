@@ -9,13 +9,13 @@ mean next-token cross-entropy of `.logits.float()`; the HF model is called with
 A plan's cell runs STEPS SGD steps (the optimizer on `step.parameters()` right after
 `mx.compile`, as the README does) on random tokens and compares, with a deep copy of the
 model taken before the compile as the eager reference (accumulated over the same
-data-parallel and micro-batch chunks, as tests/test_pipeline_exec.py's `check_plan`; both
+data-parallel and micro-batch chunks, as tests/runtime/test_pipeline_exec.py's `check_plan`; both
 start each step from the same RNG seed, `RNG_SEED`):
 the loss of every step (relative error <= LOSS_TOL), the gradients of step 1 (except under
 ZeRO-1, whose gradients live in flat shards) and the parameters after the last step (each
 within GRAD_TOL of the reference's norm, floored at 1e-3 of the largest norm: this rank's
 part of each reference tensor cut by `step.layouts`), the suite's own measures and
-tolerances (tests/test_pipeline_exec.py).
+tolerances (tests/runtime/test_pipeline_exec.py).
 
 A `mxmaca` cell records the backend's fallback warnings (`fallbacks`: regions run without
 mxgraph's passes, loudly). Outcomes: pass; refused (mxgraph's PlanError or another
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import mxgraph as mx
 from mxgraph.errors import UserError
 from tests.helpers import rel_err
-from tests.test_pipeline_exec import GRAD_TOL, LOSS_TOL, floored_err, largest_norm, local
+from tests.runtime.test_pipeline_exec import GRAD_TOL, LOSS_TOL, floored_err, largest_norm, local
 
 from .shrink import EXPERTS, VOCAB, shrink
 

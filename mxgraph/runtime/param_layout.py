@@ -64,3 +64,10 @@ def materialize(model: torch.nn.Module, layouts: dict[str, ParamLayout],
         with torch.no_grad():
             param.data = layout.shard(param.data, mesh.sizes, mesh.coords).clone()
         param.grad = None
+
+
+def set_parameter(model: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    """Put `param` at the dotted `name` in `model` (one alias of a tied parameter: call it for
+    each name the old parameter has)."""
+    owner, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(owner) if owner else model, leaf, param)

@@ -20,7 +20,7 @@ are taken in order per stage and kind; W queue is first-in first-out):
 Step 4 runs at least once on rank 0 only if m >= 2p: that is the minimum number of
 microbatches.
 
-Bubble (simulated, tests/test_schedules_simulate.py): with F = B = W and an overlapped
+Bubble (simulated, tests/schedules/test_simulate.py): with F = B = W and an overlapped
 pair costing F + BW, every rank idles (p-1)(F&B + B_full - 3W), which is the DualPipe
 table's (PP/2-1)(F&B + B_full - 3W) with PP = 2p, the number of stages (the rank count of
 the two-copy DualPipe this schedule is cut from), not the p ranks. With B != W the table

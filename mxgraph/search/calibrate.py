@@ -110,7 +110,7 @@ def measure(name: str, quick: bool = False):
     import torch
     import torch.distributed as dist
 
-    from mxgraph.search.device import DeviceProfile
+    from mxgraph.devices.profile import DeviceProfile
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -226,7 +226,7 @@ def tile_rate(samples: list[tuple[int, float]], overhead: float, sm_count: int,
     square n x n x n GEMMs and their seconds: each sample's tile-and-wave padded work
     (`DeviceProfile.gemm_shape_time`'s) over its time less `overhead`; the median, so
     that the shape model times the measured GEMMs back."""
-    from mxgraph.search.device import DeviceProfile
+    from mxgraph.devices.profile import DeviceProfile
     unit = DeviceProfile(name="unit", peak_flops=1.0, gemm_efficiency=1.0, op_overhead_s=0.0,
                          hbm_bw=1e30, sm_count=sm_count, gemm_tile=list(gemm_tile))
     rates = [unit.gemm_shape_time((1, n, n, n, -1)) / max(1e-12, seconds - overhead)

@@ -8,8 +8,8 @@ the hidden part slows the compute beside it (`DeviceProfile.overlap_cost`).
 """
 from __future__ import annotations
 
+from mxgraph.devices.profile import DeviceProfile
 from mxgraph.plan import Plan
-from mxgraph.search.device import DeviceProfile
 from mxgraph.search.part_cost import PartCost
 from mxgraph.search.setting import Setting
 

@@ -48,6 +48,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from mxgraph.errors import UserError
 from mxgraph.plan import Plan
 from mxgraph.runtime.precision import STATE_BYTES, holds_returned_grads
 from mxgraph.schedules import Costs
@@ -474,3 +475,21 @@ def optimizer_time(setting: Setting, plan: Plan, memory: list[dict], costs, stag
     norm = device.collective_time("all_reduce", 4, setting.gpus, setting.gpus >
                                   device.gpus_per_node, min(setting.gpus, device.gpus_per_node))
     return adam + clip + norm
+
+
+def predict_plan(setting: Setting, plan: Plan, source: str) -> Prediction:
+    """Predict one plan (`mxgraph search --evaluate`); UserError naming `source` when it does
+    not fit the job (world size, batch)."""
+    from mxgraph.driver import check_plan
+    check_plan(plan, setting.gpus)
+    dp = plan.resolve_dp(setting.gpus)
+    if setting.global_batch < dp or setting.global_batch % dp:
+        raise UserError(f"--global-batch {setting.global_batch} does not split over dp={dp} "
+                        f"of {source}; use a multiple of {dp}")
+    local = setting.global_batch // dp
+    if local % plan.micro_batches:
+        raise UserError(f"{source}: micro_batches={plan.micro_batches} does not divide the "
+                        f"{local} sequences per data-parallel rank; set micro_batches to a "
+                        f"divisor of {local}")
+    plan = dataclasses.replace(plan, dp=dp)
+    return predict(setting, plan, local // plan.micro_batches)

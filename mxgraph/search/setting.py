@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mxgraph.search.device import DeviceProfile
+from mxgraph.devices.profile import DeviceProfile
 from mxgraph.search.layer_cost import TraceCache
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import datasets  # noqa: E402
-from dataset_files import SAVED_DATASET, saved_dataset_documents  # noqa: E402
+
+from tests.dataset_files import SAVED_DATASET, saved_dataset_documents  # noqa: E402
 
 docs = saved_dataset_documents()
 shutil.rmtree(SAVED_DATASET, ignore_errors=True)

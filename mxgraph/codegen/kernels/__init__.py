@@ -11,7 +11,7 @@ bias)``, ``F.scaled_dot_product_attention`` on repeated K/V, ``log_softmax`` + `
 and a backward reference makes the calls eager autograd makes for it (``aten.silu_backward``,
 ``aten._softmax_backward_data``, the rsqrt/mean/pow chain of RMSNorm...), summing in the same
 order. So on the CPU, fusing a model written in those forms changes no bit of its loss, its
-gradients or its training (``tests/test_fuse.py``); a model written another way differs by
+gradients or its training (``tests/passes/test_fuse.py``); a model written another way differs by
 rounding only. The Triton kernels match the references within the tolerances their tests state.
 
 Each forward op has a fake implementation and an autograd formula whose backward is the

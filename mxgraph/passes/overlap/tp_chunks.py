@@ -15,7 +15,7 @@ gate/up projections); a reduce-scatter must read a `linear` of nothing else. Oth
 stay whole and are listed in the pass's findings. The chunked collectives are the same
 differentiable ops (their backward is chunked too); the reassembly is aten views and a
 stack. Numerics: the GEMMs run on row blocks, so results agree within fp32 rounding
-(tests/test_overlap.py states the bound), not bitwise.
+(tests/parallel/test_overlap.py states the bound), not bitwise.
 """
 from __future__ import annotations
 
