@@ -204,10 +204,10 @@ def later_steps(args, results: dict, skip: set) -> None:
 
 
 def predict_step(args, results: dict, device_path: Path | str, skip: set) -> None:
-    from mxgraph.cli.search import evaluate
     from mxgraph.devices.catalog import load_device
     from mxgraph.plan import Plan
     from mxgraph.search.enumerate import search
+    from mxgraph.search.predict import predict_plan
     device = load_device(str(device_path))
     settings = {}
     wanted = {(name, model) for name, model, _ in selected_plans(args)}
@@ -218,7 +218,7 @@ def predict_step(args, results: dict, device_path: Path | str, skip: set) -> Non
                          "run the measure step first")
     for row in rows:
         setting = settings.setdefault(row["model"], _setting(row["model"], device, args))
-        p = evaluate(setting, Plan.from_toml(row["plan_path"]), row["plan_path"])
+        p = predict_plan(setting, Plan.from_toml(row["plan_path"]), row["plan_path"])
         row["predicted"] = p.to_json()
         row["step_error"] = p.step_s / row["step_s"] - 1
         row["memory_error"] = p.peak_memory_gib * 2 ** 30 / row["peak_bytes"] - 1

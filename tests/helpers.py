@@ -25,6 +25,12 @@ def under_inductor() -> bool:
     return os.environ.get("MXGRAPH_CODEGEN") == "inductor"
 
 
+def lowered_by_inductor(plan) -> bool:
+    """Whether `plan`'s programs go through Inductor in this suite: its own
+    `codegen="inductor"`, or "auto" under MXGRAPH_CODEGEN=inductor."""
+    return plan.codegen == "inductor" or (plan.codegen == "auto" and under_inductor())
+
+
 def codegen_tol(tol: float) -> float:
     """`tol`, widened to `INDUCTOR_TOL` under MXGRAPH_CODEGEN=inductor."""
     return max(tol, INDUCTOR_TOL) if under_inductor() else tol
@@ -38,16 +44,20 @@ def grad_floor(reference) -> float:
     return INDUCTOR_FLOOR * max(q.grad.norm().item() for q in reference.parameters() if q.grad is not None)
 
 
-def drift_tol(tol: float, steps_taken: int) -> float:
+def drift_tol(tol: float, steps_taken: int, inductor: bool | None = None) -> float:
     """A gradient or parameter tolerance once `steps_taken` AdamW steps have run: `tol`
     before the first step or under Python codegen (the same ATen kernels as eager), and
-    `INDUCTOR_DRIFT` x `tol` after it under MXGRAPH_CODEGEN=inductor. Inductor's fused fp32
+    `INDUCTOR_DRIFT` x `tol` after it under Inductor codegen (`inductor`: the plan's own
+    `codegen="inductor"`; None: MXGRAPH_CODEGEN=inductor). Inductor's fused fp32
     reductions round in another order than eager's kernels, and AdamW's normalised update
     turns that rounding into parameter drift: torch.compile itself, in one process, against
     eager in check_plan's loop (3 steps, lr 1e-2; `python -m tests.inductor_drift`) was
     8.0e-5 apart on llama-tiny's third-step gradients and 1.69e-4 on moe-tiny's, where its
-    first-step gradients were within 1.3e-6."""
-    return tol * INDUCTOR_DRIFT if under_inductor() and steps_taken > 0 else tol
+    first-step gradients were within 1.3e-6. So the bound after a step (4 x 1e-4) sits 2.4x
+    above what torch.compile reaches on moe-tiny, and a wrong lowering (errors of order 1)
+    still fails it."""
+    inductor = under_inductor() if inductor is None else inductor
+    return tol * INDUCTOR_DRIFT if inductor and steps_taken > 0 else tol
 
 
 def batch(vocab: int = 256, batch_size: int = 2, seq_len: int = 32, seed: int = 0):
