@@ -6,7 +6,7 @@ Models: presets (`llama-tiny`, `llama-20m`, ...) and `hf-llama-20m`, a Hugging F
 
 For each model: compile time (first step minus a warm step), median step time
 (forward + backward, fill .grad), tokens/s, MFU (the model's FLOPs per token as mxgraph
-counts them, `mxgraph.flops`, x tokens/s / the device's peak: on the CPU the measured fp32
+counts them, `mxgraph.train.flops`, x tokens/s / the device's peak: on the CPU the measured fp32
 GEMM rate, `mxgraph.train.metrics.cpu_peak_flops`), and peak memory of the timed steps: on the CPU
 the resident memory above the resident memory before them (Linux VmHWM after resetting
 it), on a GPU `torch.cuda.max_memory_allocated` above the allocation before them. Each

@@ -1,10 +1,13 @@
-"""Cost rules (FLOPs, bytes) and the liveness peak-memory estimate against hand counts."""
+"""Cost rules (FLOPs, bytes), their two named counts (executed and model FLOPs) and the
+liveness peak-memory estimate against hand counts."""
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from mxgraph.cost import graph_cost, node_cost
+from mxgraph.cost import FLOP_RULES, OpCall, graph_cost, model_flops, node_cost
 from mxgraph.memory import estimate_peak
+
+aten = torch.ops.aten
 
 
 def traced(fn, *args):
@@ -40,6 +43,36 @@ def test_attention_flops_causal_halves():
     assert f_full >= 2 * 2 * 4 * 16 * 16 * (8 + 8)
     attention = lambda gm: sum(c.flops for k, c in costs_by_op(gm).items() if "attention" in k)
     assert attention(causal) * 2 == attention(full) == 2 * 2 * 4 * 16 * 16 * 16
+
+
+def test_executed_and_model_flops_come_from_one_rule():
+    """One rule per op, two counts: a causal SDPA executes half its model FLOPs (counted
+    whole), a matmul counts the same in both, a norm in executed FLOPs only."""
+    q, w = torch.randn(2, 4, 16, 8), torch.randn(8, 8)
+    gm = traced(lambda q, w: F.layer_norm(F.scaled_dot_product_attention(q, q, q, is_causal=True)
+                                          @ w, (8,)), q, w)
+    nodes = {FLOP_RULES[n.target.overloadpacket].counts: n for n in gm.graph.nodes
+             if n.op == "call_function" and getattr(n.target, "overloadpacket", None) in FLOP_RULES}
+    counted = {kind: (node_cost(n).flops, model_flops(OpCall.of_node(n))) for kind, n in nodes.items()}
+    attention = 2 * 2 * 4 * 16 * 16 * (8 + 8)
+    assert counted["attention"] == (attention // 2, attention)
+    assert counted["matmul"] == (2 * 2 * 4 * 16 * 8 * 8,) * 2
+    assert counted["norm"] == (5 * 2 * 4 * 16 * 8, 0)
+
+
+def test_grouped_mm_counts_the_rows_up_to_offs_where_known():
+    """2-D rows x 3-D groups: a running op (real offsets) counts the rows that meet a group,
+    a traced graph (fake offsets) every row; the 2-D x 2-D form (K split into groups) counts
+    each K slice once."""
+    a, b = torch.randn(32, 16, dtype=torch.bfloat16), torch.randn(2, 16, 8, dtype=torch.bfloat16)
+    offs = torch.tensor([16, 24], dtype=torch.int32)
+    run = OpCall(aten._grouped_mm.default, (a, b, offs), {}, [aten._grouped_mm(a, b, offs)])
+    assert model_flops(run) == 2 * 24 * 16 * 8
+    gm = traced(lambda a, b, offs: aten._grouped_mm(a, b, offs), a, b, offs)
+    assert costs_by_op(gm)["aten._grouped_mm.default"].flops == 2 * 32 * 16 * 8
+    a, b = torch.randn(8, 32, dtype=torch.bfloat16), torch.randn(32, 8, dtype=torch.bfloat16)
+    gm = traced(lambda a, b, offs: aten._grouped_mm(a, b, offs), a, b, offs)
+    assert costs_by_op(gm)["aten._grouped_mm.default"].flops == 2 * 8 * 32 * 8
 
 
 def test_views_are_free_and_pointwise_counts_elements():

@@ -16,12 +16,13 @@ APPLICATION = ("mxgraph.hf", "mxgraph.data", "mxgraph.train", "mxgraph.cli")
 """The application's packages, lowest first: one may import those before it, never those
 after it; no compiler module imports any of them."""
 PUBLIC = ("mxgraph", "mxgraph.compile", "mxgraph.step", "mxgraph.plan", "mxgraph.errors",
-          "mxgraph.memory_plan", "mxgraph.comm", "mxgraph.dump", "mxgraph.runtime.",
-          "mxgraph.devices.", "mxgraph.search.")
+          "mxgraph.memory_plan", "mxgraph.comm", "mxgraph.dump", "mxgraph.cost",
+          "mxgraph.runtime.", "mxgraph.devices.", "mxgraph.search.")
 """What the application may import of the compiler: `mxgraph.compile` and `Plan`, the step,
-errors, the memory and communication estimates, dumps, named runtime modules, device
-profiles and the Auto Search; never the passes, codegen, the driver or the IR (a name
-ending in "." takes its package's modules)."""
+errors, the memory and communication estimates, dumps, the FLOP rules (`mxgraph.cost`, which
+the telemetry's model FLOPs derive from), named runtime modules, device profiles and the
+Auto Search; never the passes, codegen, the driver or the IR (a name ending in "." takes its
+package's modules)."""
 MODELS_ALLOWED = {"mxgraph.memory_plan"}
 """Besides the application, the entrances that build presets by name may import `models`;
 the compiler may not."""

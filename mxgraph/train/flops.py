@@ -2,19 +2,19 @@
 
     per_token = model_flops_per_token(model, tokens, seq_len)   # forward + backward
 
-The count is the usual one of PaLM (appendix B) and Megatron-LM: 6 x the parameters a
-token's matmuls use + 12 x layers x attention width x seq_len, i.e. 3 x the forward's matmul
-and attention FLOPs (the backward does twice the forward's), with attention counted whole
-(no halving for the causal mask), norms, activations and the embedding lookup not at all.
+The count is model FLOPs as `mxgraph.cost` defines them (its docstring states the convention,
+PaLM's and Megatron-LM's; `cost.model_flops`), of the forward, x 3 for forward and backward
+(the backward does twice the forward's): for a dense transformer, 6 x the parameters a
+token's matmuls use + 12 x layers x attention width x seq_len.
 
 It is measured, not read from a config: the model's own forward runs once (eval mode, no
 gradients, the random state put back) on a short real sequence under `ForwardFlops`, a
-dispatch mode that adds up the FLOPs of every matmul and attention op by the rules in
-`FLOP_RULES` (keyed by op; 2 FLOPs per multiply-add). So any model is counted as it is
-written (Hugging Face or preset, tied or not, GQA, MLA), and a routed MoE as routed: each
-token's rows go through its top-k experts only, so only the active experts count. A Python
-custom op (`torch.library.custom_op`: grouped expert GEMMs) is opened and its own ops are
-counted; another op outside aten is listed in `ForwardFlops.uncounted`.
+dispatch mode that adds up `cost.model_flops` of every op it runs, by the rules of
+`cost.FLOP_RULES` (keyed by op). So any model is counted as it is written (Hugging Face or
+preset, tied or not, GQA, MLA), and a routed MoE as routed: each token's rows go through its
+top-k experts only, so only the active experts count. A Python custom op
+(`torch.library.custom_op`: grouped expert GEMMs) is opened and its own ops are counted;
+another op outside aten is listed in `ForwardFlops.uncounted`.
 
 Per token, the matmuls cost the same at every length and attention grows linearly with it,
 so two short sequences (8 and 16 tokens) give the count at `seq_len` exactly by a straight
@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 import random
 from contextlib import contextmanager
-from typing import Callable
 
 import numpy as np
 import torch
@@ -34,68 +33,15 @@ from torch._library.custom_ops import _maybe_get_opdef
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-aten = torch.ops.aten
+from mxgraph.cost import FLOP_RULES, OpCall, model_flops, tensor_meta
+
 SHORT_LENGTHS = (8, 16)
 """Sequence lengths the forward is measured at (when `seq_len` is longer)."""
 
-FLOP_RULES: dict[object, Callable[..., int]] = {}
-"""Op packet -> `fn(args, kwargs) -> FLOPs` of one call (real tensors)."""
-
-
-def flop_rule(*packets):
-    """Register `fn(args, kwargs) -> flops` for these op packets."""
-    def register(fn):
-        for packet in packets:
-            FLOP_RULES[packet] = fn
-        return fn
-    return register
-
-
-@flop_rule(aten.mm)
-def _mm_rule(args, kwargs) -> int:
-    a, b = args[:2]
-    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
-
-
-@flop_rule(aten.addmm)
-def _addmm_rule(args, kwargs) -> int:
-    return _mm_rule(args[1:], kwargs)
-
-
-@flop_rule(aten.bmm)
-def _bmm_rule(args, kwargs) -> int:
-    a, b = args[:2]
-    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-
-
-@flop_rule(aten.baddbmm)
-def _baddbmm_rule(args, kwargs) -> int:
-    return _bmm_rule(args[1:], kwargs)
-
-
-@flop_rule(aten._grouped_mm)
-def _grouped_mm_rule(args, kwargs) -> int:
-    # a [rows, K] sorted by group and b [G, K, N] with offs (cumulative row ends): the rows
-    # up to offs[-1] meet one group each; else a batched product over the leading dim
-    a, b = args[:2]
-    offs = args[2] if len(args) > 2 else kwargs.get("offs")
-    if a.dim() == 2 and b.dim() == 3 and offs is not None:
-        return 2 * int(offs[-1]) * a.shape[1] * b.shape[2]
-    return 2 * a.numel() * b.shape[-1]
-
-
-@flop_rule(aten._scaled_dot_product_flash_attention_for_cpu,
-           aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
-           aten._scaled_dot_product_cudnn_attention)
-def _attention_rule(args, kwargs) -> int:
-    # q [B, H, S, Dqk], k [B, Hkv, Skv, Dqk], v [B, Hkv, Skv, Dv]: QK^T and PV for every
-    # query head, the causal mask not subtracted (PaLM's and Megatron's convention)
-    q, k, v = args[:3]
-    return 2 * (q.numel() // q.shape[-1]) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
-
 
 class ForwardFlops(TorchDispatchMode):
-    """Adds up the matmul and attention FLOPs (`FLOP_RULES`) of the ops run inside it."""
+    """Adds up the model FLOPs (`cost.model_flops`: matmuls and attention) of the ops run
+    inside it."""
 
     def __init__(self):
         super().__init__()
@@ -105,12 +51,11 @@ class ForwardFlops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        rule = FLOP_RULES.get(func.overloadpacket)
-        if rule is None and func.namespace not in ("aten", "prim", "prims"):
+        if func.overloadpacket not in FLOP_RULES and func.namespace not in (
+                "aten", "prim", "prims"):
             self.uncounted.add(str(func))
         out = func(*args, **kwargs)
-        if rule is not None:
-            self.flops += int(rule(args, kwargs))
+        self.flops += model_flops(OpCall(func, args, kwargs, tensor_meta(out)))
         return out
 
 

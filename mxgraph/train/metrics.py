@@ -10,7 +10,7 @@ What goes where follows Hugging Face Trainer's `report_to`: --report-to lists th
 destinations (jsonl, tensorboard); TensorBoard needs `pip install mxgraph[metrics]`, and
 when it is asked for and missing the run stops before it starts (no silent JSONL only).
 
-MFU = model FLOPs per token (`mxgraph.flops`: measured from the model's own ops) x tokens
+MFU = model FLOPs per token (`mxgraph.train.flops`: measured from the model's own ops) x tokens
 per second over every data-parallel rank / (the device profile's peak_flops x processes).
 The peak comes from --device-profile, else from the built-in profile of this device's name
 (`PROFILE_BY_DEVICE_NAME`); on the CPU it is measured at the start, the machine's fp32 GEMM
@@ -306,7 +306,7 @@ def count_flops(model: torch.nn.Module, train_tokens: np.ndarray, seq_len: int) 
     sample = torch.from_numpy(train_tokens[:seq_len + 1].astype(np.int64))
     flops, uncounted = model_flops_per_token(model, sample, seq_len)
     if uncounted:
-        log.warning("MFU leaves out the FLOPs of %s (no FLOP rule in mxgraph/train/flops.py)",
+        log.warning("MFU leaves out the FLOPs of %s (no FLOP rule in mxgraph/cost.py)",
                     ", ".join(uncounted))
     return flops
 

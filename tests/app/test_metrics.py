@@ -1,5 +1,6 @@
 """Training metrics (mxgraph/train/metrics.py, mxgraph/train/flops.py): model FLOPs per token against a
-hand count (dense, preset MoE, Hugging Face Mixtral: active experts only), MFU, periodic
+hand count (dense, preset MoE, Hugging Face Mixtral: active experts only) and against the
+compiler's cost from the same FLOP rules, MFU, periodic
 validation that leaves training bitwise unchanged, the JSONL and TensorBoard records, and
 rank 0 alone writing under 2 data-parallel ranks."""
 import dataclasses
@@ -10,13 +11,16 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import models
 from mxgraph.cli.main import main as cli_main
+from mxgraph.cost import graph_cost
 from mxgraph.errors import UserError
 from mxgraph.hf.models import TINY
 from mxgraph.runtime.health import Verdict
-from mxgraph.train.flops import mfu, model_flops_per_token
+from mxgraph.train.flops import ForwardFlops, mfu, model_flops_per_token
 from mxgraph.train.loop import TrainConfig, build_training_model, lr_at, train
 from mxgraph.train.metrics import RunMetrics, check_metrics_flags
 from tests.distributed import run_ranks
@@ -93,6 +97,21 @@ def test_hf_mixtral_flops_count_active_experts_only():
     assert uncounted == [] and flops == pytest.approx(hand, rel=FLOP_TOL)
 
 
+def test_model_flops_and_the_compilers_cost_come_from_one_registry():
+    """The telemetry's count of a running op and the compiler's of its traced node both come
+    from `mxgraph.cost.FLOP_RULES`: a causal SDPA counts whole in model FLOPs, half in the
+    compiler's; a matmul the same in both."""
+    q = torch.randn(2, 4, 16, 8)
+    attention = lambda q: F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    matmul = lambda q: q @ q.transpose(-1, -2)
+    for fn, hand, ratio in ((attention, 2 * 2 * 4 * 16 * 16 * (8 + 8), 2),
+                            (matmul, 2 * 2 * 4 * 16 * 16 * 8, 1)):
+        with ForwardFlops() as counter:
+            fn(q)
+        compiled, _, unknown = graph_cost(make_fx(fn)(q))
+        assert unknown == [] and counter.flops == hand == ratio * compiled
+
+
 def test_mfu_is_model_flops_over_peak():
     assert mfu(6e9, 1000.0, 1.2e13) == 6e9 * 1000.0 / 1.2e13
     assert math.isnan(mfu(6e9, 1000.0, float("nan")))
@@ -107,7 +126,7 @@ def test_cpu_processes_share_one_machine_peak():
     machine = mxgraph.train.metrics.cpu_peak_flops()
     assert machine > 1e9  # any CPU that runs torch does a GFLOP/s of fp32 GEMM
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mxgraph.metrics, "cpu_peak_flops", lambda: 8e10)
+        patch.setattr(mxgraph.train.metrics, "cpu_peak_flops", lambda: 8e10)
         assert [mxgraph.train.metrics.device_peak(None, cpu, k) for k in (1, 2, 4)] == [
             ("measured fp32 GEMM", 8e10), ("measured fp32 GEMM", 4e10),
             ("measured fp32 GEMM", 2e10)]
