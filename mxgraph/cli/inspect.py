@@ -66,7 +66,7 @@ def memory_main(args) -> int:
     import torch
 
     from mxgraph.memory_plan import estimate_memory, format_table, plot
-    plan = _model_and_plan(args, "--memory", "llama2-70b")
+    _, plan = _model_and_plan(args, "--memory", "llama2-70b")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     stages = estimate_memory(args.model, plan, batch_size=args.batch_size,
                              seq_len=args.seq_len, dtype=dtype)
@@ -89,8 +89,8 @@ def comm_main(args) -> int:
     import models
     from mxgraph.comm import comm_report
     from mxgraph.plan import Plan
-    plan = _model_and_plan(args, "--comm", "llama2-7b")
-    config = models.preset_config(args.model)
+    spec, plan = _model_and_plan(args, "--comm", "llama2-7b")
+    config = spec.config
     if args.layers:
         config = dataclasses.replace(config, n_layers=args.layers)
     dtype = args.dtype or "bfloat16"
@@ -121,13 +121,14 @@ def overlap_main(args) -> int:
 
 
 def _model_and_plan(args, flag: str, example: str):
-    """The plan of `--plan` (default Plan()); UserError unless `--model` names a preset."""
-    import models
+    """`--model` resolved (`resolve_model`) and the plan of `--plan` (default Plan());
+    UserError unless `--model` names a preset."""
     from mxgraph.plan import Plan
+    from mxgraph.train.model_spec import resolve_model
     if not args.model:
         raise UserError(f"{flag} needs --model NAME (a preset, e.g. {example})")
-    models.preset_config(args.model)
-    return Plan.from_toml(args.plan) if args.plan else Plan()
+    spec = resolve_model(args.model, command=f"inspect {flag}")
+    return spec, Plan.from_toml(args.plan) if args.plan else Plan()
 
 
 def main(args) -> int:

@@ -18,6 +18,7 @@ from mxgraph.cli.data import add_data_parser
 from mxgraph.cli.search import add_search_parser
 from mxgraph.errors import PlanError, UserError
 from mxgraph.train.config import TrainConfig
+from mxgraph.train.model_spec import ModelSpec, resolve_model
 
 USER_ERRORS = (UserError, models.UnknownPresetError)
 DEBUG_HELP = "show the full traceback of a user error instead of one line"
@@ -103,7 +104,7 @@ def check_train_inputs(args) -> None:
 
     from mxgraph.plan import Plan, require_built
     from mxgraph.train.precision import plan_with_precision
-    check_model(args)
+    spec = check_model(args)
     plan = plan_with_precision(Plan.from_toml(args.plan) if args.plan else Plan(),
                                args.precision, args.dtype, args.eager, args.plan)
     world_size = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", "1"))
@@ -132,42 +133,30 @@ def check_train_inputs(args) -> None:
         print("mxgraph: warning: --max-restarts without --save-every N: a restart starts "
               "again at step 0", file=sys.stderr)
     from mxgraph.data.training_data import check_training_data
-    from mxgraph.train.loop import model_vocab_size
     # last (it may read all the data): outside torchrun's workers the token file is made
     # here, before any worker starts
     check_training_data(args.data, args.tokenizer, args.data_field, args.model,
-                        lambda: model_vocab_size(args), args.batch_size, args.seq_len,
+                        spec.vocab_size, args.batch_size, args.seq_len,
                         prepare="LOCAL_RANK" not in os.environ, progress=not args.no_progress)
 
 
-def check_model(args) -> None:
-    """UserError for an unknown preset, an unknown Hugging Face model_type or config file, a
-    missing transformers, or a --model-config key or value the model's config rejects;
-    only configs are made, no model."""
-    from mxgraph.hf.models import hf_config, is_hf_spec, parse_overrides
-    from mxgraph.hf.pretrained import is_model_dir, weight_files
-    overrides = parse_overrides(args.model_config)
-    if is_model_dir(args.model):
-        weight_files(args.model)  # a UserError for a directory without weights
-    if is_hf_spec(args.model) or is_model_dir(args.model):
-        spec = os.path.join(args.model, "config.json") if is_model_dir(args.model) else args.model
-        config = hf_config(spec, overrides)
-        positions = getattr(config, "max_position_embeddings", None)
+def check_model(args) -> ModelSpec:
+    """`--model` resolved for train (`resolve_model`: UserError for a kind train does not
+    take, an unknown preset, a --model-config key or value a preset's config rejects), and
+    for a Hugging Face model its config made (UserError for a directory without weights, an
+    unknown model_type or config file, a missing transformers, an override the config
+    rejects, a --seq-len beyond its positions); only configs are made, no model."""
+    from mxgraph.hf.pretrained import weight_files
+    spec = resolve_model(args.model, args.model_config, command="train")
+    if spec.kind == "pretrained":
+        weight_files(spec.directory)  # a UserError for a directory without weights
+    if spec.is_hf:
+        positions = getattr(spec.hf_config(), "max_position_embeddings", None)
         if isinstance(positions, int) and args.seq_len > positions:
             raise UserError(f"--seq-len {args.seq_len} is longer than {args.model}'s "
                             f"max_position_embeddings={positions}; raise it with --model-config "
                             f"max_position_embeddings={args.seq_len}")
-        return
-    config = models.preset_config(args.model)
-    fields = [f.name for f in dataclasses.fields(config)]
-    unknown = [key for key in overrides if key not in fields]
-    if unknown:
-        raise UserError(f"--model-config {unknown[0]} is no field of {args.model}'s "
-                        f"{type(config).__name__}; its fields: {', '.join(fields)}")
-    try:
-        dataclasses.replace(config, **overrides)
-    except (TypeError, ValueError) as error:
-        raise UserError(f"--model-config for {args.model}: {error}") from None
+    return spec
 
 
 def _train(args) -> int:

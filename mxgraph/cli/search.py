@@ -17,9 +17,9 @@ from mxgraph.devices.catalog import load_device
 from mxgraph.errors import UserError
 from mxgraph.plan import Plan
 from mxgraph.search.enumerate import SCHEDULES, Space, search
-from mxgraph.search.model_spec import resolve_model
 from mxgraph.search.predict import BREAKDOWN, Prediction, predict_plan
 from mxgraph.search.setting import Setting
+from mxgraph.train.model_spec import resolve_model
 
 JSON_KEYS = ("plan", "step_s", "tokens_per_s_per_gpu", "mfu", "peak_memory_gib", "bubble",
              "exposed_comm_s")
@@ -98,7 +98,7 @@ def run_search(args, library) -> int:
     for flag in ("gpus", "global_batch", "seq_len", "top_k"):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} must be a positive integer")
-    _, config = resolve_model(args.model, library)
+    config = resolve_model(args.model, command="search").config
     device = load_device(args.device)
     setting = Setting(config, device, args.gpus, args.global_batch, args.seq_len, library,
                       attention_kernel=args.attention_kernel)

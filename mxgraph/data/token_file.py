@@ -29,22 +29,18 @@ from tqdm import tqdm
 
 from mxgraph.data.documents import check_documents, data_files, progress_total, read_documents
 from mxgraph.errors import DataError, UserError
+from mxgraph.hf.files import HF_INSTALL_HINT, TOKENIZER_MARKERS, is_tokenizer_file
 
 log = logging.getLogger("mxgraph.data")
 
 FORMAT_VERSION = 1
 """Part of every key: raise it when the packing changes, so old token files are not read."""
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json")
-"""Files `has_tokenizer` looks for (any one) and `tokenizer_hash` reads (those present, and
-the tokenizer class's own vocabulary files)."""
-HF_INSTALL_HINT = "pip install mxgraph[hf]"
 
 
 def has_tokenizer(directory: str | Path) -> bool:
     """Whether `directory` holds a saved tokenizer (tokenizer.json or tokenizer_config.json)."""
     path = Path(directory)
-    return path.is_dir() and any((path / name).is_file() for name in TOKENIZER_FILES[:2])
+    return path.is_dir() and any((path / name).is_file() for name in TOKENIZER_MARKERS)
 
 
 def default_tokenizer(model_spec: str) -> str | None:
@@ -93,8 +89,11 @@ def token_dtype(tokenizer) -> np.dtype:
 
 
 def tokenizer_hash(directory: str, tokenizer) -> str:
-    """sha256 of the tokenizer's files (names and bytes), in name order."""
-    names = set(TOKENIZER_FILES) | set(getattr(tokenizer, "vocab_files_names", {}).values())
+    """sha256 of the tokenizer's files (names and bytes), in name order: those of
+    `mxgraph.hf.files.TOKENIZER_FILES` in `directory`, and the tokenizer class's own
+    vocabulary files."""
+    names = {path.name for path in Path(directory).iterdir() if is_tokenizer_file(path.name)}
+    names |= set(getattr(tokenizer, "vocab_files_names", {}).values())
     digest = hashlib.sha256()
     for name in sorted(names):
         path = Path(directory, name)

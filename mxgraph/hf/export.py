@@ -26,11 +26,11 @@ from types import SimpleNamespace
 import torch
 
 from mxgraph.errors import UserError
+from mxgraph.hf.files import CONFIG, GENERATION_CONFIG, INDEX, is_tokenizer_file, shard_names
+from mxgraph.hf.models import HF_KINDS, hf_config, model_kind, parse_overrides
 from mxgraph.runtime.param_layout import ParamLayout
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-TOKENIZER_FILES = re.compile(r"^(tokenizer.*|special_tokens_map\.json|vocab\..*|merges\.txt|"
-                             r"added_tokens\.json|generation_config\.json|chat_template\..*)$")
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
            torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
 
@@ -40,7 +40,8 @@ def export_info(cfg, step_fn) -> dict:
     `--model-config`, its parameters' dtype as the run holds them), the mesh sizes and this rank's coordinates, the
     parameters it holds (names) and each one's layout [tp_dim, tp_blocks, ep]. `step_fn`:
     the compiled step, or the eager model."""
-    info = {"model": os.path.abspath(cfg.model) if os.path.isdir(cfg.model) else cfg.model,
+    paths = ("pretrained", "hf_config")  # export may run elsewhere: recorded absolute
+    info = {"model": os.path.abspath(cfg.model) if model_kind(cfg.model) in paths else cfg.model,
             "model_config": cfg.model_config, "dtype": None, "mesh": None, "layouts": {},
             "zero1": False}
     model = step_fn if isinstance(step_fn, torch.nn.Module) else step_fn.model
@@ -274,29 +275,29 @@ def export(checkpoint: str, out: str, max_shard_size: str | int = DEFAULT_MAX_SH
     names = gatherer.names()
     os.makedirs(out, exist_ok=True)
     written = _write_config(info, out)
-    strip = "model." if written and written[0].endswith("config.json") else ""
+    strip = "model." if written and written[0].endswith(CONFIG) else ""
     keys = {name: name.removeprefix(strip) for name in names}
     written += _write_safetensors(gatherer, names, keys, out, limit, progress)
     return written
 
 
 def _write_config(info: dict, out: str) -> list[str]:
-    """config.json (a Hugging Face model, in the run's dtype) and the tokenizer files of its
-    directory, or mxgraph_model.json for a preset. The files written."""
-    from mxgraph.hf.models import hf_config, is_hf_spec, parse_overrides
-    from mxgraph.hf.pretrained import is_model_dir
+    """config.json (a Hugging Face model, in the run's dtype) and the tokenizer files (and
+    generation config) of its directory, or mxgraph_model.json for a preset. The files
+    written."""
     spec, overrides = info["model"], parse_overrides(info["model_config"])
+    kind = model_kind(spec)  # train resolved it (`mxgraph.train.model_spec`): only its kind
     written = []
-    if is_model_dir(spec) or is_hf_spec(spec):
-        config = hf_config(os.path.join(spec, "config.json") if is_model_dir(spec) else spec,
+    if kind in HF_KINDS:
+        config = hf_config(os.path.join(spec, CONFIG) if kind == "pretrained" else spec,
                            overrides)
         config.dtype = getattr(torch, info["dtype"])
         config.use_cache = True  # what the family defaults to for inference
         config.save_pretrained(out)
-        written.append(os.path.join(out, "config.json"))
-        if is_model_dir(spec):
+        written.append(os.path.join(out, CONFIG))
+        if kind == "pretrained":
             for name in sorted(os.listdir(spec)):
-                if TOKENIZER_FILES.match(name):
+                if is_tokenizer_file(name) or name == GENERATION_CONFIG:
                     shutil.copy(os.path.join(spec, name), os.path.join(out, name))
                     written.append(os.path.join(out, name))
     else:
@@ -321,8 +322,7 @@ def _write_safetensors(gatherer: _Gatherer, names: list[str], keys: dict[str, st
         current.append(name)
         total += sizes[name]
     shards.append(current)
-    files = ["model.safetensors"] if len(shards) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = shard_names(len(shards))
     bar = tqdm(total=len(names), unit="tensor", desc="export", disable=not progress)
     with bar:
         for file, shard in zip(files, shards, strict=True):
@@ -345,7 +345,7 @@ def _write_safetensors(gatherer: _Gatherer, names: list[str], keys: dict[str, st
         index = {"metadata": {"total_size": sum(sizes.values())},
                  "weight_map": {keys[n]: file for file, shard in zip(files, shards, strict=True)
                                 for n in shard}}
-        path = os.path.join(out, "model.safetensors.index.json")
+        path = os.path.join(out, INDEX)
         with open(path, "w") as f:
             json.dump(index, f, indent=2)
         paths.append(path)

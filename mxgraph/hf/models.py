@@ -32,15 +32,20 @@ from __future__ import annotations
 import difflib
 import json
 import os
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from mxgraph.errors import UserError
+from mxgraph.hf.files import HF_INSTALL_HINT, is_model_dir
 
 HF_PREFIX = "hf:"
-INSTALL_HINT = "pip install mxgraph[hf]"
+ModelKind = Literal["preset", "model_file", "hf", "hf_config", "pretrained"]
+"""What a `--model` string names (`model_kind`)."""
+HF_KINDS: tuple[ModelKind, ...] = ("hf", "hf_config", "pretrained")
+"""The kinds that are transformers models (`hf_config` reads their config)."""
 
 _TINY_COMMON = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2,
                 "num_attention_heads": 4, "intermediate_size": 128,
@@ -85,10 +90,22 @@ class HFCausalLM(nn.Module):
         return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels.flatten())
 
 
-def is_hf_spec(spec: str) -> bool:
-    """Whether `--model spec` names a Hugging Face model (`hf:<model_type>` or a .json file)
-    rather than a preset."""
-    return spec.startswith(HF_PREFIX) or spec.endswith(".json")
+def model_kind(spec: str) -> ModelKind:
+    """What `--model spec` names, by its spelling and what lies at that path: "pretrained"
+    (a directory holding config.json), "hf" (`hf:<model_type>`), "hf_config" (a .json
+    file: a Hugging Face config.json), "model_file" (a .toml file, or another existing
+    file: a TOML model file of `mxgraph.search.model_spec`), else "preset" (a name of
+    `models`). Only classifies (nothing is read); `mxgraph.train.model_spec.resolve_model`
+    resolves a spec for a command, and `export` reads the one a checkpoint records."""
+    if is_model_dir(spec):
+        return "pretrained"
+    if spec.startswith(HF_PREFIX):
+        return "hf"
+    if spec.endswith(".json"):
+        return "hf_config"
+    if spec.endswith(".toml") or os.path.isfile(spec):
+        return "model_file"
+    return "preset"
 
 
 def parse_overrides(text: str | None) -> dict:
@@ -126,10 +143,10 @@ def _transformers():
         import transformers
     except ImportError:
         raise UserError(f"Hugging Face models need the transformers package: "
-                        f"{INSTALL_HINT}") from None
+                        f"{HF_INSTALL_HINT}") from None
     if int(transformers.__version__.split(".")[0]) < 5:
         raise UserError(f"Hugging Face models need transformers>=5, found "
-                        f"{transformers.__version__}: {INSTALL_HINT}")
+                        f"{transformers.__version__}: {HF_INSTALL_HINT}")
     return transformers
 
 

@@ -37,16 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from mxgraph.errors import UserError
-from mxgraph.hf.models import INSTALL_HINT, HFCausalLM, hf_config
+from mxgraph.hf.files import CONFIG, HF_INSTALL_HINT, INDEX, WEIGHTS
+from mxgraph.hf.models import HFCausalLM, hf_config
 from mxgraph.runtime.param_layout import set_parameter
-
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-
-
-def is_model_dir(spec: str) -> bool:
-    """Whether `--model spec` is a directory holding a config.json (a pretrained model)."""
-    return os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json"))
 
 
 def weight_files(directory: str) -> dict[str, str]:
@@ -62,12 +55,12 @@ def weight_files(directory: str) -> dict[str, str]:
             from safetensors import safe_open
         except ImportError:
             raise UserError(f"reading {single} needs the safetensors package: "
-                            f"{INSTALL_HINT}") from None
+                            f"{HF_INSTALL_HINT}") from None
         with safe_open(single, framework="pt") as f:
             return dict.fromkeys(f.keys(), single)
     raise UserError(f"{directory} has no {WEIGHTS} or {INDEX}; save the model there with "
                     f"save_pretrained(DIR) (safetensors), or pass --model "
-                    f"{os.path.join(directory, 'config.json')} to train it from random weights")
+                    f"{os.path.join(directory, CONFIG)} to train it from random weights")
 
 
 def load(directory: str, overrides: dict | None = None,
@@ -86,7 +79,7 @@ def build_from_dir(directory: str, overrides: dict | None = None,
     CPU), every parameter an unwritten `torch.empty` of `dtype` (no resident memory) until
     `load_weights`. `model.pretrained_dir` remembers where the weights are."""
     weight_files(directory)  # the UserError for a directory without weights, first
-    config = hf_config(os.path.join(directory, "config.json"), overrides)  # or: no transformers
+    config = hf_config(os.path.join(directory, CONFIG), overrides)  # or: no transformers
     import transformers
     with torch.device("meta"):
         hf_model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,4 +1,6 @@
-"""`--model`: a preset name or a TOML model config, resolved to a models config.
+"""TOML model files: a model config that is no preset, read into a models config (the
+command line's `--model` is resolved by `mxgraph.train.model_spec.resolve_model`, which
+calls `load_model_file` for one).
 
 A TOML model file names its family and that family's config fields, e.g.
 
@@ -12,8 +14,8 @@ A TOML model file names its family and that family's config fields, e.g.
     max_seq_len = 8192
 
 `REQUIRED` lists the fields a file must give per family (the shape); the rest take the
-config's defaults. The model library (`models`) is passed in by the caller (the CLI):
-the search package builds models only through it.
+config's defaults. The model library (`models`) is passed in by the caller
+(`mxgraph.train.model_spec`): the search package builds models only through it.
 """
 from __future__ import annotations
 
@@ -34,19 +36,9 @@ REQUIRED = {
 CONFIG_CLASSES = {"gpt": "GPTConfig", "llama": "LlamaConfig", "moe": "MoEConfig"}
 
 
-def resolve_model(spec: str, library):
-    """(name, config) for a preset name or the path of a TOML model file; UserError naming
-    the presets, the missing field or the unknown one."""
-    if spec.endswith(".toml") or Path(spec).is_file():
-        return Path(spec).stem, load_model_file(spec, library)
-    try:
-        return spec, library.preset_config(spec)
-    except library.UnknownPresetError as error:
-        raise UserError(f"--model: {error}; or pass a TOML model file (family = "
-                        f"\"llama\" plus its config fields)") from None
-
-
 def load_model_file(path: str, library):
+    """The config of the TOML model file `path`; UserError for a missing file, bad TOML, or
+    what `model_from_dict` refuses."""
     try:
         data = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:

@@ -2,7 +2,6 @@
 given data."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -17,12 +16,11 @@ from tqdm import tqdm
 
 import mxgraph
 from mxgraph.data.batches import Batches, split
-from mxgraph.data.packed import PackedBatches
-from mxgraph.data.training_data import training_data
+from mxgraph.data.training_data import TrainingData, training_data
 from mxgraph.errors import DataError, UserError
 from mxgraph.hf.export import export_info
-from mxgraph.hf.models import build_hf_model, hf_config, is_hf_spec, parse_overrides
-from mxgraph.hf.pretrained import build_from_dir, is_model_dir, load_weights
+from mxgraph.hf.models import build_hf_model
+from mxgraph.hf.pretrained import build_from_dir, load_weights
 from mxgraph.plan import Plan
 from mxgraph.runtime.checkpoint.flash import FlashCheckpointer
 from mxgraph.runtime.cluster.device import detect
@@ -34,6 +32,7 @@ from mxgraph.runtime.precision import PARAM_DTYPE
 from mxgraph.train.checkpoints import RunCheckpoints, check_checkpoint_dir, run_id_for
 from mxgraph.train.config import TrainConfig
 from mxgraph.train.metrics import RunMetrics, check_metrics_flags, count_flops, moe_kind
+from mxgraph.train.model_spec import resolve_model
 from mxgraph.train.precision import check_precision_flags, plan_with_precision
 
 log = logging.getLogger("mxgraph.train")
@@ -79,38 +78,25 @@ def _init_distributed() -> int:
 
 
 def build_training_model(cfg: TrainConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The model `cfg.model` names, with `cfg.model_config`'s overrides: a preset
-    (`models.build_model`) or a Hugging Face model (`hf:<model_type>` or a config.json,
-    `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws it away), or a
-    pretrained model directory (`mxgraph.hf.pretrained.build_from_dir`: no weights until
-    `load_weights` after compile). Each has `.config.vocab_size`. `dtype`: its parameters'
-    (default: those of the precision that --precision or --dtype ask for, `PARAM_DTYPE`)."""
+    """The model `cfg.model` names (`model_spec.resolve_model`), with `cfg.model_config`'s
+    overrides: a preset (`models.build_model`) or a Hugging Face model (`hf:<model_type>`
+    or a config.json, `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws
+    it away), or a pretrained model directory (`mxgraph.hf.pretrained.build_from_dir`: no
+    weights until `load_weights` after compile). Each has `.config.vocab_size`. `dtype`: its
+    parameters' (default: those of the precision that --precision or --dtype ask for,
+    `PARAM_DTYPE`)."""
     import models
 
     dtype = dtype or PARAM_DTYPE[check_precision_flags(cfg.precision, cfg.dtype) or "fp32"]
-    overrides = parse_overrides(cfg.model_config)
-    if is_model_dir(cfg.model):  # its weights are read after compile: `load_weights`
-        model = build_from_dir(cfg.model, overrides, dtype=dtype)
-        model.config.use_cache = False
-        return model
-    if is_hf_spec(cfg.model):
-        model = build_hf_model(cfg.model, overrides, dtype=dtype)
-        model.config.use_cache = False
-        return model
-    return models.build_model(cfg.model, dtype=dtype, **overrides)
-
-
-def model_vocab_size(cfg: TrainConfig) -> int:
-    """The vocabulary of the model `cfg.model` names (with `cfg.model_config`'s overrides),
-    read from its config alone: no model is built."""
-    import models
-
-    overrides = parse_overrides(cfg.model_config)
-    if is_model_dir(cfg.model):
-        return hf_config(os.path.join(cfg.model, "config.json"), overrides).vocab_size
-    if is_hf_spec(cfg.model):
-        return hf_config(cfg.model, overrides).vocab_size
-    return dataclasses.replace(models.preset_config(cfg.model), **overrides).vocab_size
+    spec = resolve_model(cfg.model, cfg.model_config, command="train")
+    if spec.kind == "preset":
+        return models.build_model(spec.name, dtype=dtype, **spec.overrides)
+    if spec.kind == "pretrained":  # its weights are read after compile: `load_weights`
+        model = build_from_dir(spec.directory, spec.overrides, dtype=dtype)
+    else:
+        model = build_hf_model(spec.config_source, spec.overrides, dtype=dtype)
+    model.config.use_cache = False
+    return model
 
 
 def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
@@ -130,8 +116,9 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     seed_everything(cfg.seed)
     plan = plan_with_precision(Plan.from_toml(cfg.plan) if cfg.plan else Plan(), cfg.precision,
                                cfg.dtype, cfg.eager, cfg.plan)
+    spec = resolve_model(cfg.model, cfg.model_config, command="train")
     data = training_data(cfg.data, cfg.tokenizer, cfg.data_field, cfg.model,
-                         lambda: model_vocab_size(cfg), cfg.batch_size, cfg.seq_len,
+                         spec.vocab_size, cfg.batch_size, cfg.seq_len,
                          progress=progress and rank == 0)  # tokenized once, before the model
     model = build_training_model(cfg, PARAM_DTYPE[plan.precision])
     vocab = model.config.vocab_size
@@ -153,7 +140,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         step_fn.guard = guard
     if not cfg.eager and plan.pp > 1:
         release_other_stages(model, step_fn)
-    if is_model_dir(cfg.model):  # this rank's slices of the pretrained weights, before
+    if spec.kind == "pretrained":  # this rank's slices of the pretrained weights, before
         load_weights(model, None if cfg.eager else step_fn,  # zero1 copies them to shards
                      progress=progress and rank == 0)
     params = list(model.parameters() if cfg.eager else step_fn.parameters())
@@ -177,7 +164,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     if cfg.save_every and start_step == 0:  # the initial state: what a NaN before the
         checkpoints.save(0, {}, background=False)  # first save rolls back (or resumes) to
     metrics = RunMetrics.for_run(cfg, step_fn, flops_per_token, moe, rank, start_step,
-                                 evaluate=lambda: evaluate(step_fn, val_tokens, cfg, packed=data.packed))
+                                 evaluate=lambda: evaluate(step_fn, val_tokens, cfg, data))
     loop = _Loop(cfg, step_fn, optimizer, batches, guard, monitor, checkpoints, rank, metrics)
     try:
         loop.run(start_step, progress)
@@ -193,7 +180,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
         checkpoints.checkpointer.close()
     if not cfg.eager:
         step_fn.sync_parameters()  # zero1: the last update is still in the shards
-    val_loss = evaluate(step_fn, val_tokens, cfg, packed=data.packed)
+    val_loss = evaluate(step_fn, val_tokens, cfg, data)
     held = model.named_parameters() if cfg.eager else step_fn.model_parameters()
     tokens_per_s = max(1, loop.iterations) * cfg.batch_size * cfg.seq_len / max(
         1e-9, loop.seconds - metrics.eval_seconds)  # periodic validation left out
@@ -384,14 +371,13 @@ def step_profiler(cfg: TrainConfig, rank: int, num_steps: int):
     return profiler
 
 
-def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig, packed: bool = False
+def evaluate(step_or_model, val_tokens: np.ndarray, cfg: TrainConfig, data: TrainingData
              ) -> float:
-    """Mean loss (nats per token) over `cfg.val_batches` fixed validation batches (the first
-    of `PackedBatches`' order for `packed` documents, else random windows), in eval
-    mode without gradients: an eager model itself, a compiled step through its own
+    """Mean loss (nats per token) over `cfg.val_batches` fixed validation batches (`data`'s
+    loader: the first of `PackedBatches`' order for packed documents, else random windows),
+    in eval mode without gradients: an eager model itself, a compiled step through its own
     forward-only compile (`eval_loss`: every layout, on the step's own parameters)."""
-    loader = PackedBatches if packed else Batches
-    batches = loader(val_tokens, cfg.batch_size, cfg.seq_len, seed=12345)
+    batches = data.batches(val_tokens, cfg.batch_size, cfg.seq_len, seed=12345)
     if isinstance(step_or_model, torch.nn.Module):
         model = step_or_model
         was_training = model.training
