@@ -11,6 +11,45 @@ from mxgraph.dump import read_summary
 from mxgraph.errors import UserError
 
 
+def add_inspect_parser(commands, parents) -> None:
+    """Register `inspect` on the CLI's subparsers."""
+    inspect = commands.add_parser("inspect", parents=parents,
+                                  help="summarise a dump directory, estimate memory "
+                                  "(--memory) or communication (--comm) per rank, or read "
+                                  "a profiler trace's overlap (--overlap)")
+    inspect.add_argument("dump_dir", nargs="?", help="directory written by Plan(dump_dir=...)")
+    inspect.add_argument("--memory", action="store_true",
+                         help="estimate memory per pipeline rank for --model under --plan "
+                              "(meta device, nothing allocated): table + bar chart PNG")
+    inspect.add_argument("--comm", action="store_true",
+                         help="bytes per collective kind and parallel axis per rank and step "
+                              "for --model under --plan, read from the graphs compiled on a "
+                              "paper mesh (meta device, nothing runs); set dp in the plan")
+    inspect.add_argument("--model", help="preset name for --memory/--comm (e.g. llama2-70b)")
+    inspect.add_argument("--plan", help="plan TOML file for --memory/--comm (default: Plan())")
+    inspect.add_argument("--batch-size", type=int, default=1,
+                         help="micro-batch size (--memory), batch size (--comm)")
+    inspect.add_argument("--seq-len", type=int, default=None,
+                         help="sequence length (--memory/--comm; default: the model's "
+                              "max_seq_len)")
+    inspect.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                         help="parameter dtype (--memory/--comm; default: that of the plan's "
+                         "precision, else bfloat16)")
+    inspect.add_argument("--layers", type=int, default=None,
+                         help="trace this many layers instead of the preset's (--comm)")
+    inspect.add_argument("--overlap", metavar="TRACE",
+                         help="communication vs compute in a profiler trace (a file, or the "
+                              "directory of mxgraph train --profile DIR): per collective "
+                              "kind the count, comm ms, exposed ms (compute lane idle) and "
+                              "the hidden fraction; --png OUT.png draws the timeline")
+    inspect.add_argument("--png", default=None,
+                         help="bar chart path (--memory; default memory.png), timeline path "
+                              "(--overlap; default: none)")
+    inspect.add_argument("--diff", nargs=2, metavar=("PASS_A", "PASS_B"),
+                         help="show which ops two passes' graphs differ in")
+    inspect.set_defaults(run=main)
+
+
 def op_counts(entry: Path) -> Counter:
     with open(entry / "nodes.tsv") as f:
         return Counter(row["op"] for row in csv.DictReader(f, delimiter="\t"))

@@ -1,5 +1,5 @@
 """`TrainConfig`: what `mxgraph train` runs. Each field is a CLI flag of the same name
-(`cli._add_dataclass_flags`), its docstring the flag's help."""
+(`mxgraph.cli.train._add_dataclass_flags`), its docstring the flag's help."""
 from __future__ import annotations
 
 from dataclasses import dataclass

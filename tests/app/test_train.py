@@ -56,7 +56,8 @@ def test_cli_help_and_run(capsys):
 
 
 def test_launch_flags_are_dropped_for_the_torchrun_workers():
-    from mxgraph.cli.main import build_parser, torchrun_command, without_launch_flags
+    from mxgraph.cli.main import build_parser
+    from mxgraph.cli.train import torchrun_command, without_launch_flags
     assert without_launch_flags(["train", "--nproc", "2", "--steps", "3"]) == \
         ["train", "--steps", "3"]
     assert without_launch_flags(["train", "--nproc=4", "--max-restarts", "2", "--rdzv-id=j",

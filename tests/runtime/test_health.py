@@ -144,16 +144,17 @@ def test_a_stop_under_torchrun_is_one_line_and_status_2(tmp_path, monkeypatch, c
     """The workers of `--nproc 2` exit 0 after a stop (torchrun would restart a failure);
     rank 0 leaves the reason in the launcher's stop file, which the launcher prints as one
     error line with status 2."""
-    import mxgraph.cli.main as cli
+    import mxgraph.cli.train as train_cli
+    from mxgraph.cli.main import main
 
     def torchrun(command, env):
         assert "--max-restarts=2" in command
-        with open(env[cli.STOP_FILE], "w") as f:
+        with open(env[train_cli.STOP_FILE], "w") as f:
             f.write("step 4: the gradient norm is nan (loss 4.1); stopped before the update")
         return 0
-    monkeypatch.setattr(cli.subprocess, "call", torchrun)
-    status = cli.main(["train", "--nproc", "2", "--max-restarts", "2", "--save-every", "2",
-                       "--checkpoint-dir", str(tmp_path), "--steps", "5"])
+    monkeypatch.setattr(train_cli.subprocess, "call", torchrun)
+    status = main(["train", "--nproc", "2", "--max-restarts", "2", "--save-every", "2",
+                   "--checkpoint-dir", str(tmp_path), "--steps", "5"])
     assert status == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["mxgraph: error: step 4: the gradient norm is nan (loss 4.1); stopped "
