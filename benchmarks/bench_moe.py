@@ -113,7 +113,7 @@ def worker(args) -> None:
     """One rank under torchrun: every row x routing; rank 0 writes the gathered results."""
     import torch
     import torch.distributed as dist
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    join_group(args.timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     vocab = _build(args.model, 0.0).config.vocab_size
     g = torch.Generator().manual_seed(rank)
@@ -140,6 +140,26 @@ def worker(args) -> None:
     if rank == 0:
         Path(args.json).write_text(json.dumps(rows))
     dist.destroy_process_group()
+
+
+def join_group(timeout: int) -> None:
+    """This rank's gloo group (torchrun's environment), with mxgraph imported first.
+
+    The order matters (issue #47): importing mxgraph imports torch._dynamo and with it
+    torch.distributed.nn.functional, whose collectives take `group=group.WORLD` as a default
+    argument, evaluated at import. Imported after the group exists (as run_row did), those
+    defaults hold the group: `destroy_process_group` then ends nothing, and the group's gloo
+    threads (two run loops, the TCP event loop) and connections live on until the interpreter's
+    finalization frees the module (gdb: ~ProcessGroupGloo under Py_FinalizeEx ->
+    finalize_modules): the C++ teardown runs after atexit, with the interpreter half gone and
+    the peer exiting at the same moment. That is the exit path of #47's abort (not reproduced
+    here, so suspected, not proven). Imported first, the defaults are None and the group ends
+    in `destroy_process_group`, before the worker returns (bench_overlap's and
+    bench_load_memory's workers import mxgraph before their groups already)."""
+    import torch.distributed as dist
+
+    import mxgraph  # noqa: F401 - before init_process_group, see above
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
 
 
 def _build(name: str, bias: float):

@@ -182,6 +182,30 @@ def test_moe(load, tmp_path):
     assert len(result["reference"]) == 5 and (tmp_path / "moe_traces").is_dir()
 
 
+def test_moe_worker_group_ends_before_exit(tmp_path):
+    """bench_moe's rank joins its group with mxgraph already imported, so that
+    `destroy_process_group` ends it: no gloo thread is left to be torn down during the
+    interpreter's finalization (issue #47). One rank in a process of its own (this one has
+    mxgraph imported long ago); its threads by name from /proc."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import os, torch.distributed as dist, bench_moe\n"
+            "bench_moe.join_group(60)\n"
+            "import models, mxgraph  # what the rows import\n"
+            "dist.destroy_process_group()\n"
+            "print([open(f'/proc/self/task/{t}/comm').read().strip()"
+            " for t in os.listdir('/proc/self/task')])\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(BENCHMARKS)]),
+           "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env=env, check=True)
+    threads = done.stdout.strip().splitlines()[-1]
+    assert "gloo" not in threads and "pt_tcpstore" not in threads, threads
+
+
 def test_moe_kernels(load):
     """moe-tiny's experts (E = 8) over 16 tokens x topk 2 rows, grouped GEMM, bmm and loop."""
     result = load("bench_moe_kernels").main(["--model", "moe-tiny", "--kernel-tokens", "16",
