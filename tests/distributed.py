@@ -72,6 +72,14 @@ def _worker(rank, world, port, env, fds, fatal_path, fn, args, errors):
                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     torch.seed()  # a seed of its own, as a spawned rank has (a fork has the server's state)
+    # Inductor's cache_dir() (called by a rank's first compile: compiler_bisector) writes
+    # TORCHINDUCTOR_CACHE_DIR into the environment; adding a variable reallocates glibc's
+    # environ, which a getenv on another thread (gloo's, once the group is up) may be reading.
+    # Set it here, while the rank has one thread: later writes only replace a value. (The one
+    # thread-unsafe step found on the path of test_overlap[4]'s lost ranks; not proven to be
+    # their cause.)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    cache_dir()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)

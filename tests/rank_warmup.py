@@ -45,6 +45,11 @@ def warm_up() -> None:
 
 torch.set_num_threads(1)  # as each rank: intra-op work stays on this thread (no pool to fork)
 try:
-    warm_up()
+    # Under a CUDA build of torch (PyPI's default wheel on Linux), a process that ran a
+    # backward forks children that cannot (autograd's device threads: "Unable to handle
+    # autograd's threading in combination with fork-based multiprocessing"), GPU or not; a
+    # warm-up's compile derives a backward, so there the ranks start cold.
+    if torch.version.cuda is None:
+        warm_up()
 except Exception as error:  # noqa: BLE001 - only a head start: a rank that needs what failed
     print(f"tests/rank_warmup.py: warm-up failed ({error!r}); ranks start cold")  # fails itself
