@@ -90,6 +90,9 @@ def violations(imports: list[Import]) -> list[str]:
                 not application_package(dst) and not is_public(dst):
             found.append(f"{where}: the application reaches the compiler through its public "
                          f"surface only ({', '.join(PUBLIC)})")
+        elif application_package(src) and application_package(dst) and layer(dst) > layer(src):
+            found.append(f"{where}: {application_package(src)} sits below "
+                         f"{application_package(dst)} in the application ({', '.join(APPLICATION)})")
         elif src.startswith("mxgraph") and layer(dst) > layer(src):
             found.append(f"{where}: layer {layer(src)} imports layer {layer(dst)}")
         if src.startswith("mxgraph.runtime") and dst.startswith(("mxgraph.codegen", "mxgraph.passes")):

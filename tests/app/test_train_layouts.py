@@ -14,6 +14,8 @@ import contextlib
 import io
 import math
 
+import pytest
+
 from mxgraph.cli.main import main
 from mxgraph.hf.models import TINY
 from tests.distributed import run_ranks
@@ -76,6 +78,7 @@ def _every_case(rank, world, tmp, references):
             assert abs(loss - want) <= LOSS_TOL, (model, plan, loss, want)
 
 
+@pytest.mark.slow(seconds=55)  # measured on 2 cores
 def test_every_preset_layout_trains_through_the_cli(tmp_path):
     keys = dict.fromkeys(reference_key(*case[:3]) for case in CASES if case[3])
     references = {(model, config, mixed): train_cli(model, config, MIXED if mixed else None,
