@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free at the moment of asking."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -99,7 +100,7 @@ def run_ranks(world: int, fn, *args) -> None:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (once)
     errors = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     fds = (_ParentFd(1), _ParentFd(2))
     with tempfile.TemporaryDirectory(prefix="mxgraph-ranks-") as fatal_dir:
         paths = [os.path.join(fatal_dir, f"rank{r}.txt") for r in range(world)]

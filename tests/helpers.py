@@ -25,12 +25,6 @@ def under_inductor() -> bool:
     return os.environ.get("MXGRAPH_CODEGEN") == "inductor"
 
 
-def lowered_by_inductor(plan) -> bool:
-    """Whether `plan`'s programs go through Inductor in this suite: its own
-    `codegen="inductor"`, or "auto" under MXGRAPH_CODEGEN=inductor."""
-    return plan.codegen == "inductor" or (plan.codegen == "auto" and under_inductor())
-
-
 def codegen_tol(tol: float) -> float:
     """`tol`, widened to `INDUCTOR_TOL` under MXGRAPH_CODEGEN=inductor."""
     return max(tol, INDUCTOR_TOL) if under_inductor() else tol
@@ -47,8 +41,8 @@ def grad_floor(reference) -> float:
 def drift_tol(tol: float, steps_taken: int, inductor: bool | None = None) -> float:
     """A gradient or parameter tolerance once `steps_taken` AdamW steps have run: `tol`
     before the first step or under Python codegen (the same ATen kernels as eager), and
-    `INDUCTOR_DRIFT` x `tol` after it under Inductor codegen (`inductor`: the plan's own
-    `codegen="inductor"`; None: MXGRAPH_CODEGEN=inductor). Inductor's fused fp32
+    `INDUCTOR_DRIFT` x `tol` after it under Inductor codegen (`inductor`: a plan's
+    `codegen_for("cpu") == "inductor"`; None: MXGRAPH_CODEGEN=inductor). Inductor's fused fp32
     reductions round in another order than eager's kernels, and AdamW's normalised update
     turns that rounding into parameter drift: torch.compile itself, in one process, against
     eager in check_plan's loop (3 steps, lr 1e-2; `python -m tests.inductor_drift`) was

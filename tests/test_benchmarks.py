@@ -187,10 +187,8 @@ def test_moe_worker_group_ends_before_exit(tmp_path):
     `destroy_process_group` ends it: no gloo thread is left to be torn down during the
     interpreter's finalization (issue #47). One rank in a process of its own (this one has
     mxgraph imported long ago); its threads by name from /proc."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.distributed import free_port
+    port = free_port()
     code = ("import os, torch.distributed as dist, bench_moe\n"
             "bench_moe.join_group(60)\n"
             "import models, mxgraph  # what the rows import\n"

@@ -32,7 +32,7 @@ from mxgraph.runtime.precision import PARAM_DTYPE
 from mxgraph.train.checkpoints import RunCheckpoints, check_checkpoint_dir, run_id_for
 from mxgraph.train.config import TrainConfig
 from mxgraph.train.metrics import RunMetrics, check_metrics_flags, count_flops, moe_kind
-from mxgraph.train.model_spec import resolve_model
+from mxgraph.train.model_spec import ModelSpec, resolve_model
 from mxgraph.train.precision import check_precision_flags, plan_with_precision
 
 log = logging.getLogger("mxgraph.train")
@@ -77,18 +77,19 @@ def _init_distributed() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def build_training_model(cfg: TrainConfig, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def build_training_model(cfg: TrainConfig, dtype: torch.dtype | None = None,
+                         spec: ModelSpec | None = None) -> torch.nn.Module:
     """The model `cfg.model` names (`model_spec.resolve_model`), with `cfg.model_config`'s
     overrides: a preset (`models.build_model`) or a Hugging Face model (`hf:<model_type>`
     or a config.json, `mxgraph.hf.build_hf_model`, its KV cache turned off: training throws
     it away), or a pretrained model directory (`mxgraph.hf.pretrained.build_from_dir`: no
     weights until `load_weights` after compile). Each has `.config.vocab_size`. `dtype`: its
     parameters' (default: those of the precision that --precision or --dtype ask for,
-    `PARAM_DTYPE`)."""
+    `PARAM_DTYPE`). `spec`: `cfg.model` already resolved (else resolved here)."""
     import models
 
     dtype = dtype or PARAM_DTYPE[check_precision_flags(cfg.precision, cfg.dtype) or "fp32"]
-    spec = resolve_model(cfg.model, cfg.model_config, command="train")
+    spec = spec or resolve_model(cfg.model, cfg.model_config, command="train")
     if spec.kind == "preset":
         return models.build_model(spec.name, dtype=dtype, **spec.overrides)
     if spec.kind == "pretrained":  # its weights are read after compile: `load_weights`
@@ -120,7 +121,7 @@ def train(cfg: TrainConfig, *, progress: bool = True) -> dict:
     data = training_data(cfg.data, cfg.tokenizer, cfg.data_field, cfg.model,
                          spec.vocab_size, cfg.batch_size, cfg.seq_len,
                          progress=progress and rank == 0)  # tokenized once, before the model
-    model = build_training_model(cfg, PARAM_DTYPE[plan.precision])
+    model = build_training_model(cfg, PARAM_DTYPE[plan.precision], spec)
     vocab = model.config.vocab_size
     tokens = data.tokens
     if not data.packed and int(tokens.max()) >= vocab:  # a tokenizer's ids were checked
